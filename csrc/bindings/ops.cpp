@@ -1,0 +1,68 @@
+// The op schemas, declared once; each device file registers implementations.
+// Also a small Python module for introspection (CPU variants, what was built).
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "../kernels.h"
+
+TORCH_LIBRARY(fp8linear, m) {
+  // x: any shape, float32/bfloat16/float16. scale: None (dynamic) or float32,
+  // shape () for per-tensor, x.shape[:-1] + (1,) for per_row. Returns (q, scale).
+  m.def("quantize_fp8(Tensor x, Tensor? scale, ScalarType dtype, bool per_row) -> (Tensor, Tensor)");
+  // a [M, K] fp8 (or float32/bfloat16/float16: weight-only), b [K, N] fp8, scale_a () or [M, 1], scale_b () or [1, N], bias [N].
+  m.def("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, ScalarType out_dtype) -> Tensor");
+}
+
+#ifdef FP8LINEAR_WITH_CUDA
+namespace fp8linear {
+// Defined in ops_cuda.cpp: CUDA introspection and path forcing for tests.
+void register_cuda_python(pybind11::module& module);
+}  // namespace fp8linear
+#endif
+
+namespace {
+
+std::vector<std::string> cpu_variants_supported() {
+  std::vector<std::string> names;
+  for (int v = FP8_CPU_SCALAR; v < FP8_CPU_VARIANT_COUNT; ++v) {
+    if (fp8_cpu_variant_supported(static_cast<fp8_cpu_variant>(v))) {
+      names.emplace_back(fp8_cpu_variant_name(static_cast<fp8_cpu_variant>(v)));
+    }
+  }
+  return names;
+}
+
+void set_cpu_variant(const std::string& name) {
+  for (int v = FP8_CPU_SCALAR; v < FP8_CPU_VARIANT_COUNT; ++v) {
+    const auto variant = static_cast<fp8_cpu_variant>(v);
+    if (name == fp8_cpu_variant_name(variant)) {
+      TORCH_CHECK_VALUE(fp8_cpu_set_variant(variant), "CPU variant '", name,
+                        "' is not supported by this CPU; supported: ", c10::Join(", ", cpu_variants_supported()));
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "unknown CPU variant '", name, "'; supported: ", c10::Join(", ", cpu_variants_supported()));
+}
+
+bool cuda_built() {
+#ifdef FP8LINEAR_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "fp8linear native kernels; use them through fp8linear.ops";
+  module.def("cpu_variants_supported", &cpu_variants_supported,
+             "Names of the CPU kernel variants this CPU can run, slowest first.");
+  module.def("cpu_variant", [] { return std::string(fp8_cpu_variant_name(fp8_cpu_active_variant())); },
+             "The CPU kernel variant in use.");
+  module.def("set_cpu_variant", &set_cpu_variant, "Force a CPU kernel variant (for tests and benchmarks).");
+  module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
+#ifdef FP8LINEAR_WITH_CUDA
+  fp8linear::register_cuda_python(module);
+#endif
+}

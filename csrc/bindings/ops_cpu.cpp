@@ -1,0 +1,148 @@
+// CPU implementations of the ops: checks (shared), then ranges of the problem
+// spread over torch's intra-op thread pool, each range handed to a C kernel.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../kernels.h"
+#include "checks.h"
+
+namespace fp8linear {
+namespace {
+
+// Work below this many elements per task is not worth a thread.
+constexpr int64_t kQuantizeGrain = 1 << 15;
+
+fp8_quantize_params quantize_params_of(const RowView& view, const at::Tensor& q, fp8_format format) {
+  fp8_quantize_params p{};
+  p.x = view.x.data_ptr();
+  p.rows = view.rows;
+  p.cols = view.cols;
+  p.x_row_stride = view.row_stride;
+  p.x_col_stride = view.col_stride;
+  p.x_dtype = float_dtype_of(view.x.scalar_type(), "x");
+  p.q = static_cast<uint8_t*>(q.data_ptr());
+  p.format = format;
+  return p;
+}
+
+// One scale for the whole tensor: a parallel amax, then a parallel quantize.
+// Long rows are split by columns so that a single huge row still uses every thread.
+float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> static_scale) {
+  const int64_t col_chunk = p.rows == 1 ? std::max<int64_t>(kQuantizeGrain, p.cols / (4 * at::get_num_threads()) + 1) : p.cols;
+  const int64_t col_chunks = (p.cols + col_chunk - 1) / col_chunk;
+  const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+  const int64_t tasks = p.rows * col_chunks;
+  float scale;
+  if (static_scale.has_value()) {
+    scale = *static_scale;
+  } else {
+    std::vector<float> amax(static_cast<size_t>(tasks), 0.0f);
+    at::parallel_for(0, tasks, p.rows == 1 ? 1 : row_grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t row = t / col_chunks, col = (t % col_chunks) * col_chunk;
+        fp8_cpu_row_amax(&p, row, row + 1, col, std::min(p.cols, col + col_chunk), &amax[static_cast<size_t>(t)]);
+      }
+    });
+    const float tensor_amax = amax.empty() ? 0.0f : *std::max_element(amax.begin(), amax.end());
+    scale = scale_from_amax(tensor_amax, p.format);
+  }
+  at::parallel_for(0, tasks, p.rows == 1 ? 1 : row_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t row = t / col_chunks, col = (t % col_chunks) * col_chunk;
+      fp8_cpu_quantize(&p, row, row + 1, col, std::min(p.cols, col + col_chunk), &scale, 0);
+    }
+  });
+  return scale;
+}
+
+// One scale per row: amax and quantize of a row run back to back, while it is in cache.
+void quantize_per_row(const fp8_quantize_params& p, float* scales, bool dynamic) {
+  const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+  at::parallel_for(0, p.rows, row_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      if (dynamic) {
+        float amax;
+        fp8_cpu_row_amax(&p, row, row + 1, 0, p.cols, &amax);
+        scales[row] = scale_from_amax(amax, p.format);
+      }
+      fp8_cpu_quantize(&p, row, row + 1, 0, p.cols, scales, 1);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                    at::ScalarType dtype, bool per_row) {
+  const std::vector<int64_t> scale_shape = check_quantize_args(x, scale, dtype, per_row);
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  // A contiguous tensor is one long row for per-tensor scaling: every thread gets a share.
+  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, x.numel() == 0 ? 0 : 1, x.numel(), x.numel(), 1}
+                                                       : row_view(x);
+  const fp8_quantize_params p = quantize_params_of(view, q, format);
+  if (!per_row) {
+    std::optional<float> static_scale;
+    if (scale.has_value()) static_scale = scale->item<float>();
+    const float used = quantize_per_tensor(p, static_scale);
+    // a static scale comes back as a copy: an op's outputs must not alias its inputs
+    return {q, scale.has_value() ? scale->clone() : at::full({}, used, x.options().dtype(at::kFloat))};
+  }
+  at::Tensor scales = scale.has_value() ? scale->contiguous() : at::empty(scale_shape, x.options().dtype(at::kFloat));
+  quantize_per_row(p, scales.data_ptr<float>(), !scale.has_value());
+  return {q, scale.has_value() ? scale->clone() : scales};
+}
+
+at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                         at::ScalarType out_dtype) {
+  check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return out;
+  // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  fp8_scaled_mm_params p{};
+  p.a = a.data_ptr();
+  p.a_is_float = !is_fp8(a.scalar_type());
+  p.a_float_dtype = p.a_is_float ? float_dtype_of(a.scalar_type(), "a") : FP8_FLOAT32;
+  p.a_row_stride = a.stride(0);
+  p.a_col_stride = a.stride(1);
+  p.b = static_cast<const uint8_t*>(b.data_ptr());
+  p.b_row_stride = b.stride(0);
+  p.b_col_stride = b.stride(1);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a_format = p.a_is_float ? FP8_E4M3FN : fp8_format_of(a.scalar_type(), "a");
+  p.b_format = fp8_format_of(b.scalar_type(), "b");
+  p.scale_a = scale_a_c.data_ptr<float>();
+  p.scale_a_per_row = scale_is_per_row_or_column(scale_a);
+  p.scale_b = scale_b_c.data_ptr<float>();
+  p.scale_b_per_col = scale_is_per_row_or_column(scale_b);
+  p.bias = bias_c.defined() ? bias_c.data_ptr() : nullptr;
+  p.bias_dtype = bias_c.defined() ? float_dtype_of(bias_c.scalar_type(), "bias") : FP8_FLOAT32;
+  p.out = out.data_ptr();
+  p.out_row_stride = out.stride(0);
+  p.out_dtype = float_dtype_of(out_dtype, "out_dtype");
+  // Tiles of the output; the kernel reads each weight column once per tile row.
+  const int64_t tile_m = std::min<int64_t>(m, 256), tile_n = 64;
+  const int64_t tiles_m = (m + tile_m - 1) / tile_m, tiles_n = (n + tile_n - 1) / tile_n;
+  at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m0 = (t / tiles_n) * tile_m, n0 = (t % tiles_n) * tile_n;
+      fp8_cpu_scaled_mm(&p, m0, std::min(m, m0 + tile_m), n0, std::min(n, n0 + tile_n));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fp8linear, CPU, m) {
+  m.impl("quantize_fp8", &quantize_fp8_cpu);
+  m.impl("scaled_mm", &scaled_mm_cpu);
+}
+
+}  // namespace fp8linear

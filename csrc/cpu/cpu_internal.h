@@ -1,0 +1,53 @@
+/* Declarations shared by the CPU kernel files: one function per ISA for each
+ * contiguous inner loop. Only csrc/cpu/ includes this. */
+#ifndef FP8LINEAR_CPU_INTERNAL_H
+#define FP8LINEAR_CPU_INTERNAL_H
+
+#include "../kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest finite |x| of x[0..n) as float32 bits (0 if none is finite). */
+typedef uint32_t (*fp8_span_amax_fn)(const void* x, fp8_float_dtype dtype, int64_t n);
+/* q[i] = rne(clamp(x[i] / scale)) for i in [0, n). */
+typedef void (*fp8_span_quantize_fn)(const void* x, fp8_float_dtype dtype, int64_t n,
+                                     float scale, uint8_t* q, fp8_format format);
+
+uint32_t fp8_span_amax_scalar(const void* x, fp8_float_dtype dtype, int64_t n);
+uint32_t fp8_span_amax_avx2(const void* x, fp8_float_dtype dtype, int64_t n);
+uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n);
+
+void fp8_span_quantize_scalar(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
+                              uint8_t* q, fp8_format format);
+void fp8_span_quantize_avx2(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
+                            uint8_t* q, fp8_format format);
+void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
+                              uint8_t* q, fp8_format format);
+
+/* Element at index i of a float32/bf16/fp16 array, as float32. */
+static inline float fp8_load_float(const void* x, fp8_float_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case FP8_BFLOAT16: return fp8_bf16_to_float(((const uint16_t*)x)[i]);
+    case FP8_FLOAT16: return fp8_half_to_float(((const uint16_t*)x)[i]);
+    default: return ((const float*)x)[i];
+  }
+}
+
+static inline void fp8_store_float(void* out, fp8_float_dtype dtype, int64_t i, float v) {
+  switch (dtype) {
+    case FP8_BFLOAT16: ((uint16_t*)out)[i] = fp8_float_to_bf16(v); break;
+    case FP8_FLOAT16: ((uint16_t*)out)[i] = fp8_float_to_half(v); break;
+    default: ((float*)out)[i] = v; break;
+  }
+}
+
+/* 256-entry decode tables (fp8 code -> float32), built once. */
+const float* fp8_decode_table(fp8_format format);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

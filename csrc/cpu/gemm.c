@@ -1,0 +1,62 @@
+/* scaled_mm on the CPU: the scalar variant (any strides) and the one place that
+ * picks the ISA variant. out = (a * scale_a) @ (b * scale_b) + bias with exact
+ * fp8 products, float32 accumulation and one rounding to the output dtype. */
+#include <stdlib.h>
+
+#include "cpu_internal.h"
+
+static float decode_tables[2][256];
+static int decode_tables_ready = 0;
+
+const float* fp8_decode_table(fp8_format format) {
+  if (!__atomic_load_n(&decode_tables_ready, __ATOMIC_ACQUIRE)) {
+    /* every thread computes the same values, so concurrent first calls are harmless */
+    for (int code = 0; code < 256; ++code) {
+      decode_tables[FP8_E4M3FN][code] = fp8_e4m3fn_to_float((uint8_t)code);
+      decode_tables[FP8_E5M2][code] = fp8_e5m2_to_float((uint8_t)code);
+    }
+    __atomic_store_n(&decode_tables_ready, 1, __ATOMIC_RELEASE);
+  }
+  return decode_tables[format];
+}
+
+/* Rows of A decoded a block at a time, so each B column is decoded once per block. */
+enum { SCALAR_ROW_BLOCK = 8 };
+
+static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
+                             int64_t n_begin, int64_t n_end) {
+  const float* decode_a = fp8_decode_table(p->a_format);
+  const float* decode_b = fp8_decode_table(p->b_format);
+  const int64_t k = p->k;
+  float* a_block = (float*)malloc(sizeof(float) * (size_t)(SCALAR_ROW_BLOCK * k + k + 1));
+  float* b_column = a_block + SCALAR_ROW_BLOCK * k;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += SCALAR_ROW_BLOCK) {
+    const int64_t rows = m_end - m0 < SCALAR_ROW_BLOCK ? m_end - m0 : SCALAR_ROW_BLOCK;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t offset = (m0 + r) * p->a_row_stride + i * p->a_col_stride;
+        a_block[r * k + i] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset)
+                                           : decode_a[((const uint8_t*)p->a)[offset]];
+      }
+    }
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      for (int64_t i = 0; i < k; ++i) b_column[i] = decode_b[p->b[i * p->b_row_stride + n * p->b_col_stride]];
+      const float scale_b = p->scale_b[p->scale_b_per_col ? n : 0];
+      const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        const float* a_row = a_block + r * k;
+        for (int64_t i = 0; i < k; ++i) acc += a_row[i] * b_column[i];
+        const float scale = p->scale_a[p->scale_a_per_row ? m0 + r : 0] * scale_b;
+        fp8_store_float(p->out, p->out_dtype, (m0 + r) * p->out_row_stride + n, acc * scale + bias);
+      }
+    }
+  }
+  free(a_block);
+}
+
+void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
+                       int64_t n_begin, int64_t n_end) {
+  if (m_begin >= m_end || n_begin >= n_end) return;
+  scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end);
+}

@@ -1,0 +1,80 @@
+/* quantize_fp8 on the CPU: the scalar variant, and the one place that picks the
+ * ISA variant for the contiguous inner loops. Strided rows (column stride != 1)
+ * always take the scalar loop: they are rare and a gather would not be faster. */
+#include "cpu_internal.h"
+
+uint32_t fp8_span_amax_scalar(const void* x, fp8_float_dtype dtype, int64_t n) {
+  uint32_t amax_bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t magnitude = fp8_float_bits(fp8_load_float(x, dtype, i)) & 0x7FFFFFFFu;
+    /* |x| as bits orders like |x| as float; inf and NaN (>= 0x7F800000) are skipped */
+    if (magnitude < 0x7F800000u && magnitude > amax_bits) amax_bits = magnitude;
+  }
+  return amax_bits;
+}
+
+void fp8_span_quantize_scalar(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
+                              uint8_t* q, fp8_format format) {
+  /* the encoder saturates and keeps NaN, which is exactly clamp-then-round */
+  if (format == FP8_E4M3FN) {
+    for (int64_t i = 0; i < n; ++i) q[i] = fp8_e4m3fn_from_float(fp8_load_float(x, dtype, i) / scale);
+  } else {
+    for (int64_t i = 0; i < n; ++i) q[i] = fp8_e5m2_from_float(fp8_load_float(x, dtype, i) / scale);
+  }
+}
+
+static fp8_span_amax_fn pick_amax(void) {
+  switch (fp8_cpu_active_variant()) {
+    case FP8_CPU_SCALAR: return fp8_span_amax_scalar;
+    case FP8_CPU_AVX2: return fp8_span_amax_avx2;
+    default: return fp8_span_amax_avx512;
+  }
+}
+
+static fp8_span_quantize_fn pick_quantize(void) {
+  switch (fp8_cpu_active_variant()) {
+    case FP8_CPU_SCALAR: return fp8_span_quantize_scalar;
+    case FP8_CPU_AVX2: return fp8_span_quantize_avx2;
+    default: return fp8_span_quantize_avx512;
+  }
+}
+
+static int64_t element_size(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
+
+void fp8_cpu_row_amax(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
+                      int64_t col_begin, int64_t col_end, float* row_amax) {
+  const fp8_span_amax_fn span_amax = pick_amax();
+  const int64_t size = element_size(p->x_dtype);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const char* row = (const char*)p->x + (r * p->x_row_stride + col_begin * p->x_col_stride) * size;
+    uint32_t bits = 0;
+    if (p->x_col_stride == 1) {
+      bits = span_amax(row, p->x_dtype, col_end - col_begin);
+    } else {
+      for (int64_t c = 0; c < col_end - col_begin; ++c) {
+        const uint32_t b = fp8_span_amax_scalar(row + c * p->x_col_stride * size, p->x_dtype, 1);
+        if (b > bits) bits = b;
+      }
+    }
+    row_amax[r - row_begin] = fp8_bits_float(bits);
+  }
+}
+
+void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
+                      int64_t col_begin, int64_t col_end, const float* scale,
+                      int64_t scale_row_stride) {
+  const fp8_span_quantize_fn span_quantize = pick_quantize();
+  const int64_t size = element_size(p->x_dtype);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const char* row = (const char*)p->x + (r * p->x_row_stride + col_begin * p->x_col_stride) * size;
+    uint8_t* q = p->q + r * p->cols + col_begin;
+    const float row_scale = scale[r * scale_row_stride];
+    if (p->x_col_stride == 1) {
+      span_quantize(row, p->x_dtype, col_end - col_begin, row_scale, q, p->format);
+    } else {
+      for (int64_t c = 0; c < col_end - col_begin; ++c)
+        fp8_span_quantize_scalar(row + c * p->x_col_stride * size, p->x_dtype, 1, row_scale,
+                                 q + c, p->format);
+    }
+  }
+}

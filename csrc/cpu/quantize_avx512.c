@@ -1,0 +1,99 @@
+/* quantize_fp8 inner loops with AVX-512 (F, BW, VL, DQ): 16 elements a step.
+ * The encoding is the scalar encoder of fp8.h done lane-wise on the float bits,
+ * so both round once, to nearest even, from the float32 quotient. */
+#include <immintrin.h>
+
+#include "cpu_internal.h"
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+
+AVX512_TARGET static inline __m512 load16(const void* x, fp8_float_dtype dtype, int64_t i,
+                                          __mmask16 mask) {
+  switch (dtype) {
+    case FP8_BFLOAT16: {
+      const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)x + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case FP8_FLOAT16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)x + i));
+    default: return _mm512_maskz_loadu_ps(mask, (const float*)x + i);
+  }
+}
+
+AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
+  const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i inf_bits = _mm512_set1_epi32(0x7F800000);
+  /* two accumulators hide the max latency */
+  __m512i amax0 = _mm512_setzero_si512(), amax1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i m0 = _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, i, 0xFFFF)), magnitude_mask);
+    const __m512i m1 = _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, i + 16, 0xFFFF)), magnitude_mask);
+    amax0 = _mm512_mask_max_epu32(amax0, _mm512_cmplt_epu32_mask(m0, inf_bits), amax0, m0);
+    amax1 = _mm512_mask_max_epu32(amax1, _mm512_cmplt_epu32_mask(m1, inf_bits), amax1, m1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+    const __m512i m0 = _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, i, mask)), magnitude_mask);
+    amax0 = _mm512_mask_max_epu32(amax0, _mm512_cmplt_epu32_mask(m0, inf_bits), amax0, m0);
+  }
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(amax0, amax1));
+}
+
+typedef struct {
+  __m512i max_bits, max_code, min_normal_bits, magic_bits, rebias, round_half, shift_mask;
+  __m512 magic;
+  int shift;
+} encode_constants;
+
+AVX512_TARGET static inline encode_constants make_constants(fp8_format format) {
+  const int mantissa_bits = format == FP8_E4M3FN ? 3 : 2;
+  const int bias = format == FP8_E4M3FN ? 7 : 15;
+  encode_constants c;
+  c.shift = 23 - mantissa_bits;
+  c.max_bits = _mm512_set1_epi32((int)fp8_float_bits(fp8_format_max(format)));
+  c.max_code = _mm512_set1_epi32(format == FP8_E4M3FN ? FP8_E4M3FN_MAX_CODE : FP8_E5M2_MAX_CODE);
+  c.min_normal_bits = _mm512_set1_epi32((127 + 1 - bias) << 23);
+  c.magic_bits = _mm512_set1_epi32((127 + 1 - bias - mantissa_bits + 23) << 23);
+  c.magic = _mm512_castsi512_ps(c.magic_bits);
+  c.rebias = _mm512_set1_epi32((int)((uint32_t)(bias - 127) << 23));
+  c.round_half = _mm512_set1_epi32((1 << (c.shift - 1)) - 1);
+  c.shift_mask = _mm512_set1_epi32(1);
+  return c;
+}
+
+AVX512_TARGET static inline __m128i encode16(__m512 y, const encode_constants* c) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  /* normal numbers: round to nearest even at the format's mantissa width */
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, (unsigned)c->shift), c->shift_mask);
+  __m512i code = _mm512_add_epi32(_mm512_add_epi32(magnitude, c->rebias), _mm512_add_epi32(c->round_half, odd));
+  code = _mm512_srli_epi32(code, (unsigned)c->shift);
+  /* subnormals: let the FPU round by adding a magic number whose ulp is the step */
+  const __mmask16 is_subnormal = _mm512_cmplt_epu32_mask(magnitude, c->min_normal_bits);
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(magnitude), c->magic);
+  code = _mm512_mask_sub_epi32(code, is_subnormal, _mm512_castps_si512(sum), c->magic_bits);
+  const __mmask16 saturates = _mm512_cmpge_epu32_mask(magnitude, c->max_bits);
+  code = _mm512_mask_mov_epi32(code, saturates, c->max_code);
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F800000));
+  code = _mm512_mask_mov_epi32(code, is_nan, _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+
+AVX512_TARGET void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype, int64_t n,
+                                            float scale, uint8_t* q, fp8_format format) {
+  const encode_constants c = make_constants(format);
+  const __m512 divisor = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    /* a true division: x * (1 / scale) would round differently */
+    const __m512 y = _mm512_div_ps(load16(x, dtype, i, 0xFFFF), divisor);
+    _mm_storeu_si128((__m128i*)(q + i), encode16(y, &c));
+  }
+  if (i < n) {
+    const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1u);
+    const __m512 y = _mm512_div_ps(load16(x, dtype, i, mask), divisor);
+    _mm_mask_storeu_epi8(q + i, mask, encode16(y, &c));
+  }
+}

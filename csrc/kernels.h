@@ -1,0 +1,92 @@
+/* The one entry-point header between the bindings and every kernel, CPU and CUDA.
+ * Torch-free: plain parameter structs (pointers, int64_t sizes and strides in
+ * elements) so that kernels can be compiled, tested and read without torch. */
+#ifndef FP8LINEAR_KERNELS_H
+#define FP8LINEAR_KERNELS_H
+
+#include <stdint.h>
+
+#include "fp8.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { FP8_FLOAT32 = 0, FP8_BFLOAT16 = 1, FP8_FLOAT16 = 2 } fp8_float_dtype;
+
+/* ---- quantize_fp8 ------------------------------------------------------- */
+
+typedef struct {
+  const void* x;                          /* [rows, cols] float32 / bfloat16 / float16 */
+  int64_t rows, cols;
+  int64_t x_row_stride, x_col_stride;     /* in elements */
+  fp8_float_dtype x_dtype;
+  uint8_t* q;                             /* [rows, cols] fp8 codes, contiguous */
+  fp8_format format;
+} fp8_quantize_params;
+
+/* ---- scaled_mm ---------------------------------------------------------- */
+
+typedef struct {
+  const void* a;                          /* [M, K] fp8, or float (weight-only: a_is_float) */
+  int64_t a_row_stride, a_col_stride;
+  int a_is_float;                         /* a holds a_float_dtype values, not a_format codes */
+  fp8_float_dtype a_float_dtype;
+  const uint8_t* b;                       /* [K, N] fp8 (a Linear weight [N, K] seen as w.t()) */
+  int64_t b_row_stride, b_col_stride;
+  int64_t m, n, k;
+  fp8_format a_format, b_format;
+  const float* scale_a;                   /* [1] or [M] */
+  int scale_a_per_row;
+  const float* scale_b;                   /* [1] or [N] */
+  int scale_b_per_col;
+  const void* bias;                       /* [N] or NULL, contiguous */
+  fp8_float_dtype bias_dtype;
+  void* out;                              /* [M, N], row stride out_row_stride, unit column stride */
+  int64_t out_row_stride;
+  fp8_float_dtype out_dtype;
+} fp8_scaled_mm_params;
+
+/* ---- CPU ----------------------------------------------------------------
+ * Each function handles a range of the problem so that the bindings can spread
+ * ranges over torch's intra-op thread pool. */
+
+typedef enum {
+  FP8_CPU_SCALAR = 0,
+  FP8_CPU_AVX2 = 1,
+  FP8_CPU_AVX512 = 2,      /* AVX-512 F/BW/VL */
+  FP8_CPU_AVX512_BF16 = 3, /* + AVX512-BF16 dot products */
+  FP8_CPU_AMX = 4,         /* + AMX-BF16 tiles (large M only) */
+  FP8_CPU_VARIANT_COUNT = 5
+} fp8_cpu_variant;
+
+const char* fp8_cpu_variant_name(fp8_cpu_variant variant);
+/* The best variant this CPU (and OS) supports. */
+fp8_cpu_variant fp8_cpu_best_variant(void);
+/* Whether this CPU can run `variant`. */
+int fp8_cpu_variant_supported(fp8_cpu_variant variant);
+/* The variant the kernels use now; set_variant returns 0 (and changes nothing)
+ * if the CPU can't run it. Tests force each supported variant in turn. */
+fp8_cpu_variant fp8_cpu_active_variant(void);
+int fp8_cpu_set_variant(fp8_cpu_variant variant);
+
+/* amax of the finite |x| of each row in [row_begin, row_end) over the columns
+ * [col_begin, col_end); row_amax[i] is for row row_begin + i. */
+void fp8_cpu_row_amax(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
+                      int64_t col_begin, int64_t col_end, float* row_amax);
+
+/* q = rne(clamp(x / scale, -FMAX, FMAX)) over the given rows and columns;
+ * the scale of row r is scale[r * scale_row_stride] (stride 0: one scale). */
+void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
+                      int64_t col_begin, int64_t col_end, const float* scale,
+                      int64_t scale_row_stride);
+
+/* out[m, n] for m in [m_begin, m_end), n in [n_begin, n_end). */
+void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
+                       int64_t n_begin, int64_t n_end);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FP8LINEAR_KERNELS_H */

@@ -1,0 +1,123 @@
+"""The two ops, quantize_fp8 and scaled_mm: the only caller of torch.ops.fp8linear.*.
+
+Each wrapper documents its contract (DESIGN.md section 3); the fake (meta)
+implementation beside each op mirrors the checks in csrc/bindings/checks.cpp so
+that torch.compile sees the same shapes and errors.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._native import available, native
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "FP8_DTYPES", "fp8_max"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GRANULARITIES = ("tensor", "row")
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+    return float(torch.finfo(dtype).max)
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "tensor",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (float32/bfloat16/float16, any shape and strides) to fp8.
+
+    Returns ``(q, scale)`` with ``x ≈ q.float() * scale``. With ``scale=None`` the
+    scale is dynamic: ``max(amax / FMAX, 1 / (FMAX * 512))`` over the finite
+    elements of the whole tensor (``granularity="tensor"``, scale shape ``()``) or
+    of each row over the last dimension (``"row"``, scale shape
+    ``x.shape[:-1] + (1,)``). A given ``scale`` (float32, that shape) is used as
+    is. Each element is ``rne(clamp(x / scale, -FMAX, FMAX))``: one rounding,
+    saturating, NaN kept.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    native()
+    return torch.ops.fp8linear.quantize_fp8(x, scale, dtype, granularity == "row")
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q.float() * scale`` in ``dtype``: the inverse of quantize_fp8 up to rounding."""
+    if q.dtype not in FP8_DTYPES:
+        raise ValueError(f"q must be one of {FP8_DTYPES}, got {q.dtype}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale must be torch.float32, got {scale.dtype}")
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(a.float() * scale_a) @ (b.float() * scale_b) + bias`` rounded once to ``out_dtype``.
+
+    a ``[M, K]`` and b ``[K, N]`` are fp8 with any strides (pass a Linear weight
+    ``[N, K]`` as ``w.t()``); ``a`` may also be float32/bfloat16/float16 for
+    weight-only use (fp8 weights widened inside the kernel, never copied); scale_a is ``()`` or ``[M, 1]``, scale_b ``()`` or
+    ``[1, N]``, float32; bias ``[N]``. Any M, N, K, aligned or not: the semantics
+    of ``torch._scaled_mm`` without its alignment and hardware limits.
+    """
+    native()
+    return torch.ops.fp8linear.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("fp8linear::quantize_fp8")
+    def _quantize_fp8_fake(x, scale, dtype, per_row):
+        _check(x.dtype in FLOAT_DTYPES, f"x must be torch.float32, torch.bfloat16 or torch.float16, got {x.dtype}")
+        _check(dtype in FP8_DTYPES, f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        if per_row:
+            _check(x.dim() >= 1, "granularity 'row' needs x with at least 1 dimension, got a 0-d tensor")
+            scale_shape = (*x.shape[:-1], 1)
+        else:
+            scale_shape = ()
+        if scale is not None:
+            _check(scale.dtype == torch.float32, f"scale must be torch.float32, got {scale.dtype}")
+            if per_row:
+                _check(tuple(scale.shape) == scale_shape, f"scale for granularity 'row' must have shape {scale_shape}")
+            else:
+                _check(scale.numel() == 1 and scale.dim() <= 2, "scale for granularity 'tensor' must have one element")
+        q = x.new_empty(x.shape, dtype=dtype)
+        out_scale = scale.clone() if scale is not None else x.new_empty(scale_shape, dtype=torch.float32)
+        return q, out_scale
+
+    @torch.library.register_fake("fp8linear::scaled_mm")
+    def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype):
+        _check(a.dim() == 2, f"a must be 2-D [M, K], got {a.dim()}-D")
+        _check(b.dim() == 2, f"b must be 2-D [K, N], got {b.dim()}-D")
+        _check(a.dtype in FP8_DTYPES + FLOAT_DTYPES, f"a must be torch.float8_e4m3fn or torch.float8_e5m2 (or a float dtype for weight-only), got {a.dtype}")
+        _check(b.dtype in FP8_DTYPES, f"b must be torch.float8_e4m3fn or torch.float8_e5m2, got {b.dtype}")
+        _check(out_dtype in FLOAT_DTYPES, f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
+        _check(a.shape[1] == b.shape[0], f"a [M, K] and b [K, N] must share K: {tuple(a.shape)}, {tuple(b.shape)}")
+        m, n = a.shape[0], b.shape[1]
+        _check(scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32, "scale_a and scale_b must be torch.float32")
+        _check(scale_a.numel() == 1 or tuple(scale_a.shape) == (m, 1), f"scale_a must have shape () or [M, 1] = [{m}, 1]")
+        _check(scale_b.numel() == 1 or tuple(scale_b.shape) == (1, n), f"scale_b must have shape () or [1, N] = [1, {n}]")
+        if bias is not None:
+            _check(bias.dim() == 1 and bias.shape[0] == n, f"bias must have shape [N] = [{n}]")
+        return a.new_empty((m, n), dtype=out_dtype)
+
+
+if available():
+    _register_fakes()

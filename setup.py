@@ -1,0 +1,89 @@
+"""Build of fp8linear._C: the CPU kernels always, the CUDA kernels when torch has
+CUDA and nvcc is found (no GPU needed to build). Set FP8LINEAR_CUDA=0 to build
+without CUDA, FP8LINEAR_CUDA=1 to fail loudly if it can't be built.
+
+torch must already be installed: pip install --no-build-isolation .
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;8.9;9.0a"
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def cuda_wanted():
+    """(build CUDA?, reason) from the environment, torch and nvcc."""
+    setting = os.environ.get("FP8LINEAR_CUDA", "auto").lower()
+    if setting in ("0", "off", "false", "no"):
+        return False, "FP8LINEAR_CUDA=0"
+    import torch
+
+    missing = []
+    if not torch.version.cuda:
+        missing.append("this torch has no CUDA")
+    if cpp_extension.CUDA_HOME is None:
+        missing.append("nvcc not found (set CUDA_HOME)")
+    if missing:
+        if setting in ("1", "on", "true", "yes"):
+            sys.exit("fp8linear: FP8LINEAR_CUDA=1 but " + "; ".join(missing))
+        return False, "; ".join(missing)
+    return True, "torch CUDA " + torch.version.cuda
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension, with the .c kernels compiled as C11 rather than
+    with the C++ standard flag torch adds to every source."""
+
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def compile_c_as_c(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            if src.endswith(".c"):
+                flags = extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs
+                flags = [f for f in flags if not f.startswith("-std=")] + ["-std=c11"]
+                extra_postargs = {"cxx": flags, "nvcc": []} if isinstance(extra_postargs, dict) else flags
+            return compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        self.compiler._compile = compile_c_as_c
+        super().build_extensions()
+
+
+def extension():
+    with_cuda, reason = cuda_wanted()
+    cpu_sources = sources("csrc/cpu/*.c") + [
+        s for s in sources("csrc/bindings/*.cpp") if not s.endswith("_cuda.cpp")
+    ]
+    # No -march=native: every ISA variant is compiled with target attributes and
+    # picked at run time from the CPU's flags.
+    cxx_flags = ["-O3", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        cuda_sources = sources("csrc/cuda/*.cu") + sources("csrc/bindings/*_cuda.cpp")
+        print(
+            f"fp8linear: building CPU + CUDA kernels ({reason}; "
+            f"architectures {os.environ['TORCH_CUDA_ARCH_LIST']})",
+            flush=True,
+        )
+        return cpp_extension.CUDAExtension(
+            "fp8linear._C",
+            cpu_sources + cuda_sources,
+            define_macros=[("FP8LINEAR_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+            libraries=["cublasLt"],
+        )
+    print(f"fp8linear: building CPU kernels only (no CUDA: {reason})", flush=True)
+    return cpp_extension.CppExtension("fp8linear._C", cpu_sources, extra_compile_args={"cxx": cxx_flags})
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+)
