@@ -61,7 +61,7 @@ def extension():
     cpu_sources = sources("csrc/cpu/*.c") + [
         s for s in sources("csrc/bindings/*.cpp") if not s.endswith("_cuda.cpp")
     ]
-    # No -march=native: every ISA variant is compiled with target attributes and
+    # No native-arch flag: every ISA variant is compiled with target attributes and
     # picked at run time from the CPU's flags.
     cxx_flags = ["-O3", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
     if with_cuda:

@@ -77,6 +77,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
   const std::vector<int64_t> scale_shape = check_quantize_args(x, scale, dtype, per_row);
   const fp8_format format = fp8_format_of(dtype, "dtype");
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  if (x.numel() == 0) {  // nothing to quantize: a dynamic scale is the floor (amax 0)
+    at::Tensor floor = at::full(scale_shape, scale_from_amax(0.0f, format), x.options().dtype(at::kFloat));
+    return {q, scale.has_value() ? scale->clone() : floor};
+  }
   // A contiguous tensor is one long row for per-tensor scaling: every thread gets a share.
   const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, x.numel() == 0 ? 0 : 1, x.numel(), x.numel(), 1}
                                                        : row_view(x);

@@ -1,6 +1,10 @@
 /* Which CPU kernel variant runs: detected once from CPUID/XGETBV (never from
  * compile flags), overridable for tests. AMX additionally needs the Linux
  * permission request before the first tile instruction. */
+/* syscall() is a GNU/POSIX extension that strict -std=c11 hides without this */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <stddef.h>
 
 #include "cpu_internal.h"

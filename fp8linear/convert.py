@@ -1,0 +1,108 @@
+"""quantize_model: swap the nn.Linear layers of an existing model for FP8Linear."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from torch import nn
+
+from .linear import FP8Config, FP8Linear
+from .ops import FLOAT_DTYPES
+
+__all__ = ["quantize_model", "QUANTIZATIONS", "ConversionReport"]
+
+logger = logging.getLogger("fp8linear")
+
+#: The values of ``quantization=`` and what each means.
+QUANTIZATIONS = {"fp8": "FP8Linear layers (fp8 weights; activations as the options say)"}
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What quantize_model did: converted layer names, and skipped ones with the reason."""
+
+    converted: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fp8linear: converted {len(self.converted)} linear layer(s), skipped {len(self.skipped)}"]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn) -> str | None:
+    """Why this nn.Linear is not converted, or None to convert it."""
+    if isinstance(module, FP8Linear):
+        return "already an FP8Linear"
+    if type(module) is not nn.Linear:
+        # Subclasses (LoRA layers, MultiheadAttention's out_proj...) are used through
+        # their own forward or their .weight by the parent: swapping them breaks the parent.
+        return f"subclass {type(module).__qualname__} of nn.Linear, whose users may read .weight directly"
+    name = fqn.rsplit(".", 1)[-1]
+    if fqn in skip_modules or name in skip_modules:
+        return "listed in skip_modules"
+    if filter_fn is not None and not filter_fn(module, fqn):
+        return "filter_fn returned False"
+    weight = module.weight
+    if weight.device.type == "meta":
+        return "weight on the meta device (not materialized)"
+    if weight.dtype not in FLOAT_DTYPES:
+        return f"weight dtype {weight.dtype} is not float32/bfloat16/float16"
+    return None
+
+
+def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_modules=("lm_head",),
+                   filter_fn: Callable[[nn.Module, str], bool] | None = None, **options) -> nn.Module:
+    """Replace ``model``'s nn.Linear layers by FP8Linear, in place, and return ``model``.
+
+    quantization: ``"fp8"``, or ``None`` to change nothing.
+    skip_modules: names (last component, e.g. ``"lm_head"``) or full names of layers to keep.
+    filter_fn: ``filter_fn(module, fqn) -> bool``; convert only where it returns True.
+    options: the fields of :class:`FP8Config` (``weight_granularity``,
+        ``activations``, ``activation_granularity``, ``fp8_dtype``).
+
+    A module used in two places stays one shared module. Every layer that is not
+    converted is reported with the reason (log level WARNING when it could not be
+    converted, INFO when it was excluded on purpose); the report is also stored
+    as ``model.fp8linear_report``. If a conversion fails, the model is unchanged.
+    """
+    if quantization is None:
+        return model
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)} or None, got {quantization!r}")
+    config = FP8Config(**options)
+    skip_modules = {skip_modules} if isinstance(skip_modules, str) else set(skip_modules or ())
+
+    report = ConversionReport()
+    replacements: dict[int, nn.Module] = {}  # id(old module) -> new module, so shared modules stay shared
+    places: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, old module)
+    # First plan and build every replacement without touching the model, so that a
+    # failure part way leaves it as it was.
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        # _modules, not named_children(): the latter hides a child registered twice
+        # under one parent, and both names must point at the replacement.
+        for child_name, child in parent._modules.items():
+            if not isinstance(child, nn.Linear):
+                continue
+            fqn = f"{parent_name}.{child_name}" if parent_name else child_name
+            if id(child) in replacements:
+                places.append((parent, child_name, child))
+                continue
+            reason = _skip_reason(child, fqn, skip_modules, filter_fn)
+            if reason is not None:
+                report.skipped.setdefault(fqn, reason)
+                continue
+            replacements[id(child)] = FP8Linear.from_linear(child, config=config)
+            places.append((parent, child_name, child))
+            report.converted.append(fqn)
+    for parent, child_name, child in places:
+        setattr(parent, child_name, replacements[id(child)])
+
+    logger.info("%s", report)
+    for name, reason in report.skipped.items():
+        if reason.startswith(("weight", "subclass")):
+            logger.warning("fp8linear: could not convert %s: %s", name, reason)
+    model.fp8linear_report = report
+    return model
+

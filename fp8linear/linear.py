@@ -1,0 +1,207 @@
+"""FP8Linear: a drop-in replacement for nn.Linear with fp8 weights (W8A8 or weight-only)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from . import ops
+from .backend import warn_once_if_not_native
+
+__all__ = ["FP8Config", "FP8Linear"]
+
+WEIGHT_GRANULARITIES = ("tensor", "channel")
+ACTIVATION_MODES = ("dynamic", "static", "none")
+ACTIVATION_GRANULARITIES = ("tensor", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """How an FP8Linear quantizes.
+
+    weight_granularity: one weight scale per tensor (``"tensor"``) or per output
+        channel (``"channel"``, shape ``[N, 1]``).
+    activations: ``"dynamic"`` (scale from each call's input), ``"static"`` (a
+        calibrated ``input_scale``), or ``"none"`` (weight-only: inputs stay in
+        their precision, fp8 weights are widened inside the kernels).
+    activation_granularity: dynamic scale per tensor or per token (row).
+    fp8_dtype: the fp8 format of weights and activations.
+    """
+
+    weight_granularity: str = "tensor"
+    activations: str = "dynamic"
+    activation_granularity: str = "tensor"
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self):
+        def check(name, value, allowed):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+        check("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
+        check("activations", self.activations, ACTIVATION_MODES)
+        check("activation_granularity", self.activation_granularity, ACTIVATION_GRANULARITIES)
+        check("fp8_dtype", self.fp8_dtype, ops.FP8_DTYPES)
+        if self.activations == "static" and self.activation_granularity != "tensor":
+            raise ValueError("static activations use one calibrated scale per tensor: "
+                             "activation_granularity must be 'tensor'")
+
+    def describe(self) -> str:
+        dtype = str(self.fp8_dtype).replace("torch.float8_", "")
+        weights = f"weights {dtype} per-{self.weight_granularity}"
+        if self.activations == "none":
+            return weights + ", activations not quantized (weight-only)"
+        granularity = "per-tensor" if self.activations == "static" else f"per-{self.activation_granularity}"
+        return weights + f", activations {self.activations} {granularity}"
+
+
+def _check_scale_value(name: str, scale: torch.Tensor) -> None:
+    """A stored scale must be finite and > 0; checked when it is set, never per call."""
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be torch.float32, got {scale.dtype}")
+    if scale.numel() and not bool(torch.all(torch.isfinite(scale) & (scale > 0))):
+        raise ValueError(f"{name} must be finite and > 0, got {scale.flatten()[:8].tolist()}")
+
+
+class FP8Linear(nn.Module):
+    """``y = x @ W.T + b`` with W stored as fp8 ``[out_features, in_features]``.
+
+    Constructed like ``nn.Linear`` plus the fields of :class:`FP8Config`; usually
+    made from an existing layer with :meth:`from_linear`. The output has the
+    input's dtype (float32, bfloat16 or float16); the bias keeps its precision.
+
+    State: ``weight`` (fp8 ``[N, K]``), ``weight_scale`` (float32 ``()`` or
+    ``[N, 1]``), ``bias`` (optional) and, for static activations,
+    ``input_scale`` (float32 ``()``, set by calibration or loading).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype: torch.dtype | None = None, *, config: FP8Config | None = None, **options):
+        super().__init__()
+        if config is not None and options:
+            raise ValueError("pass either config= or FP8Config fields as keywords, not both")
+        self.config = config if config is not None else FP8Config(**options)
+        self.in_features = in_features
+        self.out_features = out_features
+        factory = {"device": device}
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=self.config.fp8_dtype, **factory),
+                                   requires_grad=False)
+        scale_shape = (out_features, 1) if self.config.weight_granularity == "channel" else ()
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.float32, **factory),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        if self.config.activations == "static":
+            # NaN until calibrated or loaded; the flag spares forward a device sync to check it.
+            self.register_buffer("input_scale", torch.full((), math.nan, dtype=torch.float32, **factory))
+        else:
+            self.input_scale = None
+        self._input_scale_ready = False
+        self.register_load_state_dict_pre_hook(FP8Linear._check_loaded_state)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, config: FP8Config | None = None, **options) -> "FP8Linear":
+        """An FP8Linear holding ``linear``'s weight quantized once (``linear`` is not modified)."""
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight.detach()
+        if not weight.is_floating_point() or weight.dtype in ops.FP8_DTYPES:
+            raise ValueError(f"linear.weight must be float32, bfloat16 or float16, got {weight.dtype}")
+        if weight.device.type == "meta":
+            raise ValueError("linear.weight is on the meta device (not materialized): load the weights first")
+        bias = linear.bias is not None
+        layer = cls(linear.in_features, linear.out_features, bias=bias, device="meta",
+                    dtype=linear.bias.dtype if bias else None, config=config, **options)
+        granularity = "row" if layer.config.weight_granularity == "channel" else "tensor"
+        q, scale = ops.quantize_fp8(weight, dtype=layer.config.fp8_dtype, granularity=granularity)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = scale
+        if bias:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if layer.input_scale is not None:
+            layer.input_scale = torch.full((), math.nan, dtype=torch.float32, device=weight.device)
+        return layer
+
+    def set_input_scale(self, scale: torch.Tensor | float) -> None:
+        """Set the static activation scale (finite, > 0); used by calibration and loaders."""
+        if self.config.activations != "static":
+            raise ValueError(f"input_scale is only used with activations='static', this layer has {self.config.activations!r}")
+        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(()).to(self.weight.device)
+        _check_scale_value("input_scale", scale)
+        self.input_scale = scale
+        self._input_scale_ready = True
+
+    def _check_loaded_state(self, state_dict, prefix, *args):
+        for name in ("weight_scale", "input_scale"):
+            if prefix + name in state_dict:
+                _check_scale_value(prefix + name, state_dict[prefix + name])
+        if prefix + "input_scale" in state_dict and self.input_scale is not None:
+            self._input_scale_ready = True
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.dtype != self.config.fp8_dtype:
+            raise ValueError(f"{prefix}weight must be {self.config.fp8_dtype}, got {weight.dtype}")
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must move fp8 weights and float32 scales without
+        # converting them: fp8 counts as floating point for nn.Module.to.
+        kept = {name: t.detach() for name, t in self._fp8_state()}
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            current = getattr(self, name)
+            if current.dtype != original.dtype:
+                restored = original.to(device=current.device)
+                if name == "weight":
+                    self.weight = nn.Parameter(restored, requires_grad=False)
+                else:
+                    setattr(self, name, restored)
+        return self
+
+    # Plain pickle cannot serialize fp8 tensors in torch (their storage reduce looks up
+    # a dtype attribute that fp8 storages lack), so the weight travels as its bytes.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_parameters"] = dict(state["_parameters"])
+        weight = state["_parameters"].pop("weight")
+        state["_fp8_weight_bytes"] = (weight.detach().view(torch.uint8), weight.dtype)
+        return state
+
+    def __setstate__(self, state):
+        data, dtype = state.pop("_fp8_weight_bytes")
+        super().__setstate__(state)
+        self._parameters = {"weight": nn.Parameter(data.view(dtype), requires_grad=False), **self._parameters}
+
+    def _fp8_state(self):
+        yield "weight", self.weight
+        yield "weight_scale", self.weight_scale
+        if self.input_scale is not None:
+            yield "input_scale", self.input_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warn_once_if_not_native(x.device)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        leading = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        config = self.config
+        if config.activations == "none":
+            a, scale_a = x2d, torch.ones((), dtype=torch.float32, device=x.device)
+        elif config.activations == "static":
+            if not self._input_scale_ready:
+                raise RuntimeError("input_scale is not set: run fp8linear.calibrate(model, batches) "
+                                   "or load a checkpoint with input scales before the forward pass")
+            a, scale_a = ops.quantize_fp8(x2d, self.input_scale, dtype=config.fp8_dtype)
+        else:
+            granularity = "row" if config.activation_granularity == "token" else "tensor"
+            a, scale_a = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+        # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t()
+        scale_b = self.weight_scale.reshape(1, -1) if self.weight_scale.dim() else self.weight_scale
+        out = ops.scaled_mm(a, self.weight.t(), scale_a, scale_b, bias=self.bias, out_dtype=x.dtype)
+        return out.reshape(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.config.describe()}")

@@ -1,0 +1,55 @@
+"""Shared fixtures: each CPU kernel variant forced in turn, seeded randomness."""
+import pytest
+import torch
+
+from fp8linear._native import native
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+@pytest.fixture(params=native().cpu_variants_supported())
+def cpu_variant(request):
+    """Run the test once per CPU kernel variant this machine supports."""
+    module = native()
+    previous = module.cpu_variant()
+    module.set_cpu_variant(request.param)
+    yield request.param
+    module.set_cpu_variant(previous)
+
+
+def bytes_of(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def assert_same_fp8(q: torch.Tensor, expected: torch.Tensor) -> None:
+    """Byte-for-byte equal, except that a NaN may carry either sign (torch's own
+    conversions are not consistent about the sign of NaN)."""
+    assert q.dtype == expected.dtype and q.shape == expected.shape
+    nan = torch.isnan(expected.float())
+    assert torch.equal(torch.isnan(q.float()), nan)
+    assert torch.equal(bytes_of(q)[~nan], bytes_of(expected)[~nan])
+
+
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    """Relative Frobenius error of out against a float64 reference; NaN never passes."""
+    out = out.double()
+    if torch.isnan(out).any():
+        return float("inf")
+    denominator = exact.norm().item()
+    difference = (out - exact).norm().item()
+    return difference / denominator if denominator else difference

@@ -1,0 +1,134 @@
+"""FP8Linear against nn.Linear, and its behaviour as a module."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fp8linear
+from fp8linear import FP8Config, FP8Linear
+from conftest import FLOAT_DTYPES
+
+
+def sqnr_db(reference: torch.Tensor, out: torch.Tensor) -> float:
+    reference, out = reference.double(), out.double()
+    return 10 * torch.log10(reference.pow(2).sum() / (reference - out).pow(2).sum()).item()
+
+
+SCHEMES = {
+    "per-tensor": (dict(), 25.0),
+    "per-channel+per-token": (dict(weight_granularity="channel", activation_granularity="token"), 28.0),
+    "weight-only per-channel": (dict(weight_granularity="channel", activations="none"), 28.0),
+    "e5m2 per-channel+per-token": (dict(weight_granularity="channel", activation_granularity="token",
+                                        fp8_dtype=torch.float8_e5m2), 20.0),
+}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_close_to_nn_linear(scheme, dtype, cpu_variant):
+    options, min_db = SCHEMES[scheme]
+    linear = nn.Linear(256, 96).to(dtype)
+    x = torch.randn(4, 7, 256, dtype=dtype)
+    layer = FP8Linear.from_linear(linear, **options)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (4, 7, 96)
+    assert sqnr_db(linear(x), out) >= min_db
+
+
+def test_static_activations_need_a_scale_then_match_dynamic():
+    linear = nn.Linear(64, 32)
+    x = torch.randn(10, 64)
+    layer = FP8Linear.from_linear(linear, activations="static")
+    with pytest.raises(RuntimeError, match="input_scale is not set"):
+        layer(x)
+    layer.set_input_scale(x.abs().max() / 448)
+    dynamic = FP8Linear.from_linear(linear)
+    assert torch.equal(layer(x), dynamic(x))  # same scale, same numbers
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="input_scale must be finite and > 0"):
+            layer.set_input_scale(bad)
+
+
+def test_state_dict_round_trip_and_checks():
+    linear = nn.Linear(48, 20)
+    layer = FP8Linear.from_linear(linear, weight_granularity="channel", activations="static")
+    layer.set_input_scale(0.01)
+    state = layer.state_dict()
+    assert set(state) == {"weight", "weight_scale", "bias", "input_scale"}
+    assert state["weight"].dtype == torch.float8_e4m3fn and state["weight_scale"].shape == (20, 1)
+    fresh = FP8Linear(48, 20, weight_granularity="channel", activations="static")
+    fresh.load_state_dict(state)
+    x = torch.randn(3, 48)
+    assert torch.equal(fresh(x), layer(x))
+    broken = dict(state, weight_scale=torch.zeros(20, 1))
+    with pytest.raises(ValueError, match="weight_scale must be finite and > 0"):
+        FP8Linear(48, 20, weight_granularity="channel", activations="static").load_state_dict(broken)
+    with pytest.raises(ValueError, match="weight must be torch.float8_e4m3fn"):
+        FP8Linear(48, 20, weight_granularity="channel", activations="static").load_state_dict(
+            dict(state, weight=state["weight"].float()))
+
+
+def test_to_deepcopy_pickle_keep_fp8():
+    layer = FP8Linear.from_linear(nn.Linear(32, 16))
+    x = torch.randn(2, 32)
+    expected = layer(x)
+    assert torch.equal(copy.deepcopy(layer)(x), expected)
+    assert torch.equal(pickle.loads(pickle.dumps(layer))(x), expected)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False)(x), expected)
+    layer.to(torch.bfloat16)  # must not turn the fp8 weight or the float32 scale into bf16
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+    assert layer.bias.dtype == torch.bfloat16
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    layer.to("cpu")
+    assert layer.weight.dtype == torch.float8_e4m3fn
+
+
+def test_repr_names_the_options():
+    layer = FP8Linear(8, 4, bias=False, weight_granularity="channel", activation_granularity="token")
+    text = repr(layer)
+    assert "in_features=8" in text and "bias=False" in text
+    assert "weights e4m3fn per-channel" in text and "activations dynamic per-token" in text
+
+
+def test_bad_options_and_inputs():
+    with pytest.raises(ValueError, match="activations must be one of"):
+        FP8Config(activations="sometimes")
+    with pytest.raises(ValueError, match="fp8_dtype must be one of"):
+        FP8Config(fp8_dtype=torch.int8)
+    with pytest.raises(ValueError, match="activation_granularity must be 'tensor'"):
+        FP8Config(activations="static", activation_granularity="token")
+    with pytest.raises(ValueError, match="from_linear needs an nn.Linear"):
+        FP8Linear.from_linear(nn.Conv1d(2, 2, 1))
+    layer = FP8Linear.from_linear(nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="in_features=8"):
+        layer(torch.randn(3, 9))
+    with pytest.raises(ValueError, match="x must be torch.float32"):
+        layer(torch.randn(3, 8).double())
+
+
+def test_from_linear_leaves_the_original_alone():
+    linear = nn.Linear(16, 8)
+    before = linear.weight.detach().clone()
+    FP8Linear.from_linear(linear)
+    assert torch.equal(linear.weight, before) and linear.weight.dtype == torch.float32
+
+
+def test_weight_memory_is_halved():
+    layer = FP8Linear.from_linear(nn.Linear(1024, 512, bias=False).bfloat16())
+    report = fp8linear.memory_report(nn.Sequential(layer))
+    assert report.converted_bytes == 1024 * 512 + 4
+    assert report.ratio <= 0.51
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    layer = FP8Linear.from_linear(nn.Linear(64, 48), weight_granularity="channel", activation_granularity="token")
+    x = torch.randn(5, 64)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))

@@ -1,0 +1,141 @@
+"""quantize_fp8: bit-exact against fp8linear.reference, for every CPU variant."""
+import pytest
+import torch
+
+import fp8linear
+from fp8linear import reference
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8
+
+ODD_SHAPES = [(1,), (3,), (17,), (1025,), (4097,), (3, 17), (17, 1025), (2, 3, 33), (1, 1), (5, 1)]
+
+
+def _data(shape, dtype):
+    # a wide dynamic range so that subnormals, normals and saturation all occur
+    x = torch.randn(shape) * torch.exp2(torch.randint(-24, 12, shape).float())
+    return x.to(dtype)
+
+
+def _assert_matches_reference(x, scale=None, dtype=torch.float8_e4m3fn, granularity="tensor"):
+    q, s = fp8linear.quantize_fp8(x, scale, dtype=dtype, granularity=granularity)
+    q_ref, s_ref = reference.quantize_fp8(x, scale, dtype=dtype, granularity=granularity)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref)
+    assert_same_fp8(q, q_ref)
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_dynamic_matches_reference(shape, x_dtype, dtype, granularity, cpu_variant):
+    _assert_matches_reference(_data(shape, x_dtype), dtype=dtype, granularity=granularity)
+
+
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_static_scale_matches_reference(x_dtype, dtype, cpu_variant):
+    x = _data((7, 300), x_dtype)
+    _assert_matches_reference(x, torch.tensor(0.37), dtype=dtype)
+    _assert_matches_reference(x, torch.rand(7, 1) + 0.01, dtype=dtype, granularity="row")
+
+
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_edge_values(x_dtype, dtype, cpu_variant):
+    fmax = torch.finfo(dtype).max
+    values = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 2**-9, 2**-10, 3 * 2**-10, 2**-16, 2**-17, fmax, -fmax,
+                           fmax * 1.5, float("inf"), float("-inf"), float("nan"), -float("nan"), 1.0, -3.5])
+    x = values.to(x_dtype).repeat(3)  # long enough to use the vector loop and its tail
+    _assert_matches_reference(x, torch.ones(()), dtype=dtype)
+    _assert_matches_reference(x, dtype=dtype)
+    q, _ = fp8linear.quantize_fp8(x, torch.ones(()), dtype=dtype)
+    assert torch.signbit(q[1].float())  # -0 keeps its sign
+    assert q[12].float() == fmax and q[13].float() == -fmax  # inf saturates
+
+
+def test_one_inf_does_not_zero_the_rest(cpu_variant):
+    x = torch.randn(1000)
+    x[10] = float("inf")
+    q, scale = fp8linear.quantize_fp8(x)
+    assert scale.item() == pytest.approx(x[torch.isfinite(x)].abs().max().item() / 448, rel=1e-6)
+    assert (q.float()[torch.isfinite(x)] != 0).sum() > 900
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_all_zero_and_all_nan_get_the_floor(granularity, cpu_variant):
+    floor = torch.tensor(1 / (448 * 512), dtype=torch.float64).float()
+    for x in (torch.zeros(4, 33), torch.full((4, 33), float("nan"))):
+        q, scale = fp8linear.quantize_fp8(x, granularity=granularity)
+        assert torch.all(scale == floor)
+        _assert_matches_reference(x, granularity=granularity)
+
+
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+def test_non_contiguous_inputs(x_dtype, cpu_variant):
+    base = _data((40, 66), x_dtype)
+    for x in (base.t(), base[:, ::2], base[::3], base.reshape(4, 10, 66).permute(1, 0, 2), base[:, 5:40]):
+        assert not x.is_contiguous()
+        for granularity in ("tensor", "row"):
+            _assert_matches_reference(x, granularity=granularity)
+
+
+def test_expanded_input_with_zero_strides(cpu_variant):
+    x = torch.randn(1, 33).expand(5, 33)
+    _assert_matches_reference(x, granularity="row")
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (5, 0), (2, 0, 3)])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_empty_inputs(shape, granularity):
+    x = torch.randn(shape)
+    q, scale = fp8linear.quantize_fp8(x, granularity=granularity)
+    assert q.shape == x.shape
+    _assert_matches_reference(x, granularity=granularity)
+
+
+def test_zero_dim_input():
+    _assert_matches_reference(torch.tensor(3.7))
+
+
+def test_large_single_row_splits_across_threads(cpu_variant):
+    x = torch.randn(1 << 20) * 3
+    x[777_777] = 1e4
+    _assert_matches_reference(x)
+
+
+def test_dequantize_round_trip():
+    x = torch.randn(64, 64)
+    q, scale = fp8linear.quantize_fp8(x, granularity="row")
+    restored = fp8linear.dequantize_fp8(q, scale)
+    assert torch.allclose(restored, x, rtol=2**-3, atol=scale.max().item() * 2**-9)
+    assert fp8linear.dequantize_fp8(q, scale, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: fp8linear.quantize_fp8(torch.randn(4).double()), "x must be torch.float32"),
+        (lambda: fp8linear.quantize_fp8(torch.randint(0, 3, (4,))), "x must be torch.float32"),
+        (lambda: fp8linear.quantize_fp8(torch.randn(4), dtype=torch.int8), "dtype must be torch.float8"),
+        (lambda: fp8linear.quantize_fp8(torch.randn(4), torch.ones(2)), "one element"),
+        (lambda: fp8linear.quantize_fp8(torch.randn(4), torch.ones((), dtype=torch.float64)), "scale must be torch.float32"),
+        (lambda: fp8linear.quantize_fp8(torch.randn(3, 4), torch.ones(3), granularity="row"), r"shape \[3, 1\]"),
+        (lambda: fp8linear.quantize_fp8(torch.tensor(1.0), granularity="row"), "0-d"),
+        (lambda: fp8linear.quantize_fp8(torch.randn(4), granularity="channel"), "granularity must be one of"),
+        (lambda: fp8linear.dequantize_fp8(torch.randn(4), torch.ones(())), "q must be"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_opcheck():
+    for args in [
+        (torch.randn(5, 17), None, torch.float8_e4m3fn, False),
+        (torch.randn(5, 17, dtype=torch.bfloat16), None, torch.float8_e5m2, True),
+        (torch.randn(5, 17), torch.tensor(0.5), torch.float8_e4m3fn, False),
+        (torch.randn(3, 5, 17, dtype=torch.float16), torch.rand(3, 5, 1) + 0.1, torch.float8_e4m3fn, True),
+    ]:
+        torch.library.opcheck(torch.ops.fp8linear.quantize_fp8.default, args)

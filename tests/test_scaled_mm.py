@@ -1,0 +1,166 @@
+"""scaled_mm: against a float64 reference of the dequantized operands, every CPU variant."""
+import itertools
+
+import pytest
+import torch
+
+import fp8linear
+from fp8linear import reference
+from conftest import FLOAT_DTYPES, FP8_DTYPES, relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+ODD_SIZES = [1, 3, 17, 64, 1025]
+
+
+def _operands(m, k, n, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, per_row=False):
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), dtype=a_dtype, granularity="row" if per_row else "tensor")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), dtype=b_dtype, granularity="row" if per_row else "tensor")
+    scale_b = scale_w.t() if per_row else scale_w
+    return a, w.t(), scale_a, scale_b  # b = w.t(): a Linear weight's layout
+
+
+def _check(a, b, scale_a, scale_b, bias=None, out_dtype=torch.float32):
+    out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (a.shape[0], b.shape[1])
+    exact = reference.scaled_mm_float64(a, b, scale_a, scale_b, bias=bias)
+    assert relative_error(out, exact) <= TOLERANCE[out_dtype]
+    return out
+
+
+@pytest.mark.parametrize("m, k, n", [(m, k, n) for m, k, n in itertools.product(ODD_SIZES, ODD_SIZES, ODD_SIZES)
+                                     if m * k * n <= 17 * 1025 * 1025])
+def test_odd_shapes(m, k, n, cpu_variant):
+    _check(*_operands(m, k, n))
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 33, 256])
+@pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536)])
+def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
+    _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_formats_dtypes_and_scales(a_dtype, b_dtype, out_dtype, per_row, cpu_variant):
+    _check(*_operands(19, 130, 37, a_dtype, b_dtype, per_row), out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_bias(bias_dtype, out_dtype, cpu_variant):
+    bias = torch.randn(37).to(bias_dtype)
+    _check(*_operands(5, 64, 37), bias=bias, out_dtype=out_dtype)
+
+
+def test_any_strides(cpu_variant):
+    a, b, scale_a, scale_b = _operands(20, 70, 30)
+    big_a = torch.zeros(40, 140, dtype=a.dtype)
+    big_a[::2, ::2] = a
+    strided_a = big_a[::2, ::2]
+    row_major_b = b.contiguous()  # [K, N] row-major rather than w.t()
+    expanded_scale = torch.full((1, 1), scale_a.item()).expand(20, 1)
+    for a_, b_, sa in [(strided_a, b, scale_a), (a, row_major_b, scale_a), (a.t().contiguous().t(), b, scale_a),
+                       (strided_a, row_major_b[:, :], expanded_scale)]:
+        _check(a_, b_, sa, scale_b)
+
+
+@pytest.mark.parametrize("m, k, n", [(0, 5, 7), (4, 5, 0), (0, 0, 0), (4, 0, 7)])
+def test_empty_and_k_zero(m, k, n):
+    a = torch.zeros(m, k).to(torch.float8_e4m3fn)
+    b = torch.zeros(k, n).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+    out = fp8linear.scaled_mm(a, b, one, one, out_dtype=torch.float32)
+    assert out.shape == (m, n) and torch.all(out == 0)
+    bias = torch.randn(n)
+    out = fp8linear.scaled_mm(a, b, one, one, bias=bias, out_dtype=torch.float32)
+    assert torch.equal(out, bias.expand(m, n))
+
+
+def test_nan_and_extremes_propagate(cpu_variant):
+    a, b, scale_a, scale_b = _operands(3, 40, 5)
+    a = a.clone()
+    a.view(torch.uint8)[1, 7] = 0x7F  # NaN in row 1
+    out = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
+
+
+def test_weight_only_float_activations(cpu_variant):
+    x = torch.randn(9, 77)
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(33, 77))
+    for dtype in FLOAT_DTYPES:
+        xd = x.to(dtype)
+        out = fp8linear.scaled_mm(xd, w.t(), torch.ones(()), scale_w, out_dtype=dtype)
+        exact = xd.double() @ (w.double() * scale_w.double()).t()
+        assert relative_error(out, exact) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_scaled_mm(per_row, out_dtype):
+    a, b, scale_a, scale_b = _operands(17, 128, 48, per_row=per_row)
+    ours = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+    theirs = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+    exact = reference.scaled_mm_float64(a, b, scale_a, scale_b)
+    assert relative_error(theirs, exact) <= TOLERANCE[out_dtype]  # torch agrees with the reference
+    assert relative_error(ours, theirs.double()) <= TOLERANCE[out_dtype]
+
+
+def test_reference_float32_matches_float64():
+    a, b, scale_a, scale_b = _operands(7, 300, 11, per_row=True)
+    out = reference.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, b, scale_a, scale_b)) <= 1e-6
+
+
+F8 = torch.float8_e4m3fn
+
+
+def _fp8(*shape):
+    return torch.zeros(shape).to(F8)
+
+
+ONE = torch.ones(())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((_fp8(2, 3, 4), _fp8(4, 5), ONE, ONE), "a must be 2-D"),
+        ((_fp8(2, 4), _fp8(4), ONE, ONE), "b must be 2-D"),
+        ((_fp8(2, 4), _fp8(5, 3), ONE, ONE), "must share K"),
+        ((torch.zeros(2, 4, dtype=torch.int8), _fp8(4, 3), ONE, ONE), "a must be torch.float8"),
+        ((_fp8(2, 4), torch.zeros(4, 3), ONE, ONE), "b must be torch.float8"),
+        ((_fp8(2, 4), _fp8(4, 3), ONE.double(), ONE), "scale_a must be torch.float32"),
+        ((_fp8(2, 4), _fp8(4, 3), ONE, torch.ones(3)), r"scale_b must have shape \(\) \(per tensor\) or \[1, N\] = \[1, 3\]"),
+        ((_fp8(2, 4), _fp8(4, 3), torch.ones(3, 1), ONE), r"scale_a must have shape \(\) \(per tensor\) or \[M, 1\] = \[2, 1\]"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        fp8linear.scaled_mm(*args)
+
+
+def test_bad_bias_and_out_dtype():
+    a, b = _fp8(2, 4), _fp8(4, 3)
+    with pytest.raises(ValueError, match=r"bias must have shape \[N\] = \[3\]"):
+        fp8linear.scaled_mm(a, b, ONE, ONE, bias=torch.zeros(4))
+    with pytest.raises(ValueError, match="bias must be torch.float32"):
+        fp8linear.scaled_mm(a, b, ONE, ONE, bias=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        fp8linear.scaled_mm(a, b, ONE, ONE, out_dtype=torch.int32)
+
+
+# opcheck's test_schema compares inputs before and after the call with arithmetic
+# that torch does not implement for fp8 on the CPU, so scaled_mm (whose b is always
+# fp8) runs the other three checks.
+OPCHECK_FP8_TESTS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def test_opcheck():
+    op = torch.ops.fp8linear.scaled_mm.default
+    a, b, scale_a, scale_b = _operands(5, 40, 7, per_row=True)
+    torch.library.opcheck(op, (a, b, scale_a, scale_b, torch.randn(7), torch.bfloat16), test_utils=OPCHECK_FP8_TESTS)
+    a, b, scale_a, scale_b = _operands(3, 16, 9)
+    torch.library.opcheck(op, (a, b, scale_a, scale_b, None, torch.float32), test_utils=OPCHECK_FP8_TESTS)
+    torch.library.opcheck(op, (torch.randn(3, 16), b, torch.ones(()), scale_b, None, torch.float32),
+                          test_utils=OPCHECK_FP8_TESTS)
