@@ -81,9 +81,34 @@ void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t r
                       int64_t col_begin, int64_t col_end, const float* scale,
                       int64_t scale_row_stride);
 
-/* out[m, n] for m in [m_begin, m_end), n in [n_begin, n_end). */
-void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
-                       int64_t n_begin, int64_t n_end);
+/* scaled_mm runs in three steps: plan (which kernel, how much workspace), prepare
+ * (activations widened into the workspace, rows [m_begin, m_end)), then compute
+ * (outputs [m_begin, m_end) x [n_begin, n_end)). The bindings spread prepare over
+ * rows and compute over tiles of the plan's sizes. */
+typedef enum {
+  FP8_MM_SCALAR = 0,     /* any strides; decodes through tables */
+  FP8_MM_FLOAT_DOT = 1,  /* float32 FMA dot products (AVX2 / AVX-512, or float32/float16 activations) */
+  FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
+  FP8_MM_BF16_TILE = 3   /* bf16 register tiles over packed activations: large M (GEMM) */
+} fp8_cpu_mm_method;
+
+typedef struct {
+  fp8_cpu_mm_method method;
+  fp8_cpu_variant variant;
+  int64_t k_padded;          /* K rounded up to the kernel's step; workspace rows have this length */
+  int64_t m_padded;          /* M rounded up to the kernel's row block */
+  int64_t workspace_bytes;   /* scratch the caller provides, 64-byte aligned */
+  int64_t tile_m, tile_n;    /* a good work unit for one thread */
+} fp8_cpu_mm_plan;
+
+fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p);
+void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                               int64_t m_begin, int64_t m_end);
+void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
+/* Reads bytes [0, bytes) of data once (XOR checksum): the benchmarks' memory probe. */
+uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
 
 #ifdef __cplusplus
 }

@@ -85,8 +85,9 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-def test_weight_only_float_activations(cpu_variant):
-    x = torch.randn(9, 77)
+@pytest.mark.parametrize("m", [9, 40])  # the dot (small M) and tile (large M) kernels
+def test_weight_only_float_activations(m, cpu_variant):
+    x = torch.randn(m, 77)
     w, scale_w = fp8linear.quantize_fp8(torch.randn(33, 77))
     for dtype in FLOAT_DTYPES:
         xd = x.to(dtype)

@@ -1,5 +1,6 @@
 // The op schemas, declared once; each device file registers implementations.
 // Also a small Python module for introspection (CPU variants, what was built).
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -44,6 +45,22 @@ void set_cpu_variant(const std::string& name) {
   TORCH_CHECK_VALUE(false, "unknown CPU variant '", name, "'; supported: ", c10::Join(", ", cpu_variants_supported()));
 }
 
+// Reads a CPU tensor's bytes once on every thread's share (benchmarks' bandwidth probe).
+uint64_t read_bandwidth_probe(const at::Tensor& tensor) {
+  TORCH_CHECK_VALUE(tensor.device().is_cpu() && tensor.is_contiguous(), "tensor must be a contiguous CPU tensor");
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  const auto* data = static_cast<const uint8_t*>(tensor.data_ptr());
+  constexpr int64_t chunk = 1 << 20;
+  std::vector<uint64_t> checksums(static_cast<size_t>((bytes + chunk - 1) / chunk), 0);
+  at::parallel_for(0, static_cast<int64_t>(checksums.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      checksums[static_cast<size_t>(c)] = fp8_cpu_read_probe(data + c * chunk, std::min(chunk, bytes - c * chunk));
+  });
+  uint64_t checksum = 0;
+  for (uint64_t value : checksums) checksum ^= value;
+  return checksum;
+}
+
 bool cuda_built() {
 #ifdef FP8LINEAR_WITH_CUDA
   return true;
@@ -61,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("cpu_variant", [] { return std::string(fp8_cpu_variant_name(fp8_cpu_active_variant())); },
              "The CPU kernel variant in use.");
   module.def("set_cpu_variant", &set_cpu_variant, "Force a CPU kernel variant (for tests and benchmarks).");
+  module.def("read_bandwidth_probe", &read_bandwidth_probe,
+             "Read a contiguous CPU tensor once with all threads; returns a checksum (for benchmarks).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA
   fp8linear::register_cuda_python(module);

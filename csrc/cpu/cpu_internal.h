@@ -43,6 +43,12 @@ static inline void fp8_store_float(void* out, fp8_float_dtype dtype, int64_t i, 
   }
 }
 
+/* The AVX512-BF16 kernels (gemm_avx512_bf16.c). */
+void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                      int64_t m_begin, int64_t m_end);
+void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                      int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
 /* 256-entry decode tables (fp8 code -> float32), built once. */
 const float* fp8_decode_table(fp8_format format);
 

@@ -2,6 +2,7 @@
  * picks the ISA variant. out = (a * scale_a) @ (b * scale_b) + bias with exact
  * fp8 products, float32 accumulation and one rounding to the output dtype. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_internal.h"
 
@@ -55,8 +56,57 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
   free(a_block);
 }
 
-void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
-                       int64_t n_begin, int64_t n_end) {
+/* Up to this many activation rows the dot kernel (one pass over the weights,
+ * every row against every weight row) beats packing for the tile kernel. */
+enum { DOT_MAX_ROWS = 16 };
+
+static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
+  fp8_cpu_mm_plan plan;
+  memset(&plan, 0, sizeof plan);
+  plan.variant = fp8_cpu_active_variant();
+  plan.method = FP8_MM_SCALAR;
+  plan.k_padded = p->k;
+  plan.m_padded = p->m;
+  plan.tile_m = p->m < 256 ? p->m : 256;
+  plan.tile_n = 64;
+  /* The fast kernels stream each weight row (output column) as K contiguous bytes,
+   * the layout of a Linear weight passed as w.t(). */
+  const int weight_rows_contiguous = p->b_row_stride == 1 || p->k == 1;
+  /* bf16 dot products are exact for fp8 and bf16 activations only. */
+  const int activations_fit_bf16 = !p->a_is_float || p->a_float_dtype == FP8_BFLOAT16;
+  if (p->k == 0 || !weight_rows_contiguous) return plan;
+  if (plan.variant >= FP8_CPU_AVX512_BF16 && activations_fit_bf16) {
+    plan.k_padded = round_up(p->k, 64);
+    if (p->m <= DOT_MAX_ROWS) {
+      plan.method = FP8_MM_BF16_DOT;
+      plan.tile_m = p->m;
+      plan.tile_n = 16;
+    } else {
+      plan.method = FP8_MM_BF16_TILE;
+      plan.m_padded = round_up(p->m, 16);
+      plan.tile_m = plan.m_padded; /* every thread sweeps all rows over its own weight rows */
+      plan.tile_n = 64;
+    }
+    plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
+  }
+  return plan;
+}
+
+void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                               int64_t m_begin, int64_t m_end) {
+  if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE)
+    fp8_bf16_prepare(p, plan, workspace, m_begin, m_end);
+}
+
+void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  if (m_end > p->m) m_end = p->m;
   if (m_begin >= m_end || n_begin >= n_end) return;
-  scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end);
+  switch (plan->method) {
+    case FP8_MM_BF16_DOT:
+    case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
+    default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
+  }
 }

@@ -1,0 +1,363 @@
+/* scaled_mm with AVX512-BF16 dot products (+ AVX512-VBMI byte permutes).
+ *
+ * Every e4m3/e5m2 value is exact in bf16 and vdpbf16ps multiplies bf16 pairs
+ * exactly into float32 sums, so widening fp8 -> bf16 in registers gives the
+ * same products an FP8 tensor core would, at half the weight bytes of bf16.
+ *
+ * Widening: 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte
+ * table lookups (vpermt2b: high and low byte of each bf16, indexed by the 7
+ * magnitude bits), the sign OR-ed into the high byte, and an interleave. The
+ * interleave (vpunpck{l,h}bw) works within 128-bit lanes, so the 64 values come
+ * out permuted; activations are widened with the same permutation, and a dot
+ * product does not care about the order of its terms.
+ *
+ * Weights are read in their canonical layout (b = w.t(): each output column is a
+ * contiguous row of K bytes), so no persistent prepacked copy is needed:
+ * - dot kernel (small M, GEMV): stream weight rows once, dot them against every
+ *   activation row held widened in a workspace, reduce each sum at the end;
+ * - tile kernel (large M, GEMM): widen a panel of weight rows into an L2-sized
+ *   buffer once per call and reuse it for all M rows; activations are packed so
+ *   that one vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast.
+ */
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---- widening tables ------------------------------------------------------ */
+
+/* [format][0 = high byte, 1 = low byte][magnitude]: the bf16 bits of each code. */
+static uint8_t widen_tables[2][2][128] __attribute__((aligned(64)));
+static int widen_tables_ready = 0;
+
+static void build_widen_tables(void) {
+  if (__atomic_load_n(&widen_tables_ready, __ATOMIC_ACQUIRE)) return;
+  for (int format = 0; format < 2; ++format) {
+    for (int magnitude = 0; magnitude < 128; ++magnitude) {
+      const uint16_t bits = fp8_float_to_bf16(fp8_to_float((uint8_t)magnitude, (fp8_format)format));
+      widen_tables[format][0][magnitude] = (uint8_t)(bits >> 8);
+      widen_tables[format][1][magnitude] = (uint8_t)(bits & 0xFF);
+    }
+  }
+  __atomic_store_n(&widen_tables_ready, 1, __ATOMIC_RELEASE);
+}
+
+typedef struct {
+  __m512i high0, high1, low0, low1, sign;
+} widen_tables_t;
+
+BF16_TARGET ALWAYS_INLINE widen_tables_t load_widen_tables(fp8_format format) {
+  widen_tables_t t;
+  t.high0 = _mm512_load_si512(widen_tables[format][0]);
+  t.high1 = _mm512_load_si512(widen_tables[format][0] + 64);
+  t.low0 = _mm512_load_si512(widen_tables[format][1]);
+  t.low1 = _mm512_load_si512(widen_tables[format][1] + 64);
+  t.sign = _mm512_set1_epi8((char)0x80);
+  return t;
+}
+
+/* 64 fp8 codes -> 2 x 32 bf16 in "interleave order": out0 holds elements
+ * 0-7, 16-23, 32-39, 48-55 and out1 the others. */
+BF16_TARGET ALWAYS_INLINE void widen64(const widen_tables_t* t, __m512i codes, __m512i* out0, __m512i* out1) {
+  __m512i high = _mm512_permutex2var_epi8(t->high0, codes, t->high1);
+  const __m512i low = _mm512_permutex2var_epi8(t->low0, codes, t->low1);
+  high = _mm512_ternarylogic_epi32(high, codes, t->sign, 0xF8); /* high | (codes & 0x80) */
+  *out0 = _mm512_unpacklo_epi8(low, high);
+  *out1 = _mm512_unpackhi_epi8(low, high);
+}
+
+/* The same permutation for 64 bf16 values already in memory (weight-only, bf16 input). */
+BF16_TARGET ALWAYS_INLINE void permute64_bf16(__m512i v0, __m512i v1, __m512i* out0, __m512i* out1) {
+  const __m512i index0 = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34, 33, 32,
+                                          23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i index1 = _mm512_add_epi16(index0, _mm512_set1_epi16(8));
+  *out0 = _mm512_permutex2var_epi16(v0, index0, v1);
+  *out1 = _mm512_permutex2var_epi16(v0, index1, v1);
+}
+
+ALWAYS_INLINE __mmask64 tail_mask64(int64_t count) {
+  return count >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << count) - 1);
+}
+
+/* ---- activations: widened rows ------------------------------------------- */
+
+/* Row m of a, widened into `out` (k_padded bf16, zero beyond K, interleave order). */
+BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t m,
+                                             int64_t k_padded, uint16_t* out) {
+  const int64_t k = p->k;
+  for (int64_t k0 = 0; k0 < k_padded; k0 += 64) {
+    const int64_t count = k - k0 < 0 ? 0 : k - k0;
+    __m512i out0, out1;
+    if (p->a_is_float) { /* bf16 activations (weight-only): exact, only reordered */
+      const uint16_t* row = (const uint16_t*)p->a + m * p->a_row_stride;
+      uint16_t chunk[64] __attribute__((aligned(64)));
+      for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
+      permute64_bf16(_mm512_load_si512(chunk), _mm512_load_si512(chunk + 32), &out0, &out1);
+    } else if (p->a_col_stride == 1) {
+      const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride + k0;
+      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), row), &out0, &out1);
+    } else {
+      const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride;
+      uint8_t chunk[64] __attribute__((aligned(64)));
+      for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
+      widen64(t, _mm512_load_si512(chunk), &out0, &out1);
+    }
+    _mm512_storeu_si512(out + k0, out0);
+    _mm512_storeu_si512(out + k0 + 32, out1);
+  }
+}
+
+/* ---- epilogue -------------------------------------------------------------- */
+
+ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
+  const float scale = p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
+  fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
+}
+
+/* ---- dot kernel (small M) -------------------------------------------------- */
+
+/* ROWS activation rows x COLS weight rows, over all of K: ROWS * COLS float32
+ * accumulators of 16 partial sums each, reduced once at the end. */
+BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const widen_tables_t* t,
+                                         const uint16_t* activations, int64_t k_padded, int64_t m0, int64_t n0,
+                                         const int ROWS, const int COLS) {
+  __m512 acc[8][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint8_t* weight_rows[4];
+  for (int c = 0; c < COLS; ++c) weight_rows[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+  const int64_t k = p->k;
+  for (int64_t k0 = 0; k0 < k_padded; k0 += 64) {
+    const __mmask64 mask = tail_mask64(k - k0);
+    __m512i w0[4], w1[4];
+    for (int c = 0; c < COLS; ++c) {
+      _mm_prefetch((const char*)(weight_rows[c] + k0 + 1024), _MM_HINT_T0);
+      widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const uint16_t* a = activations + (m0 + r) * k_padded + k0;
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a), a1 = (__m512bh)_mm512_loadu_si512(a + 32);
+      for (int c = 0; c < COLS; ++c) {
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a0, (__m512bh)w0[c]);
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a1, (__m512bh)w1[c]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) store_output(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+}
+
+/* One block of up to 8 activation rows against weight rows [n_begin, n_end):
+ * four weight rows at a time while few activation rows leave registers free. */
+#define DOT_ROWS_CASE(ROWS, COLS)                                                          \
+  case ROWS: {                                                                             \
+    int64_t n = n_begin;                                                                   \
+    for (; n + COLS <= n_end; n += COLS) dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); \
+    for (; n < n_end; ++n) dot_block(p, &t, activations, kp, m0, n, ROWS, 1);              \
+    break;                                                                                 \
+  }
+
+BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                   const uint16_t* activations, int64_t m_begin, int64_t m_end, int64_t n_begin,
+                                   int64_t n_end) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 8) {
+    switch (m_end - m0 >= 8 ? 8 : (int)(m_end - m0)) {
+      DOT_ROWS_CASE(1, 4)
+      DOT_ROWS_CASE(2, 4)
+      DOT_ROWS_CASE(3, 4)
+      DOT_ROWS_CASE(4, 4)
+      DOT_ROWS_CASE(5, 2)
+      DOT_ROWS_CASE(6, 2)
+      DOT_ROWS_CASE(7, 2)
+      DOT_ROWS_CASE(8, 2)
+      default: break;
+    }
+  }
+}
+
+/* ---- tile kernel (large M) ------------------------------------------------- */
+
+enum {
+  TILE_LANES = 16,        /* activation rows per vector */
+  TILE_VECTORS = 3,       /* activation vectors per register tile: 48 rows */
+  TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
+  TILE_K_BLOCK = 256      /* K per pass: the widened panel is 64 x 256 bf16 = 32 KiB */
+};
+
+/* Workspace layout of the tile kernel: activations packed by groups of 16 rows,
+ * [m_padded / 16][k_padded / 2][16 rows][2 values]: one vector = 16 rows' pair. */
+BF16_TARGET static void pack_activation_group(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t group,
+                                              int64_t k_padded, uint32_t* packed, uint16_t* row) {
+  uint32_t* dest = packed + group * (k_padded / 2) * TILE_LANES;
+  for (int lane = 0; lane < TILE_LANES; ++lane) {
+    const int64_t m = group * TILE_LANES + lane;
+    if (m < p->m) {
+      widen_activation_row(p, t, m, k_padded, row);
+    } else {
+      memset(row, 0, sizeof(uint16_t) * (size_t)k_padded);
+    }
+    const uint32_t* pairs = (const uint32_t*)row;
+    for (int64_t pair = 0; pair < k_padded / 2; ++pair) dest[pair * TILE_LANES + lane] = pairs[pair];
+  }
+}
+
+/* One register tile: VECTORS x 16 activation rows by TILE_COLS weight rows over
+ * `pairs` k-pairs. Per pair: VECTORS vector loads, TILE_COLS broadcasts,
+ * VECTORS * TILE_COLS dot products (24 with 3 vectors: 11 loads per 24). */
+BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t group_stride, const uint32_t* panel,
+                                          int64_t panel_stride, int64_t pairs, float* sums, int64_t sums_stride,
+                                          int first, const int VECTORS, const int COLS) {
+  __m512 acc[TILE_VECTORS][16];
+  for (int v = 0; v < VECTORS; ++v)
+    for (int j = 0; j < COLS; ++j)
+      acc[v][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + j * sums_stride + v * TILE_LANES);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    __m512bh a[TILE_VECTORS];
+    for (int v = 0; v < VECTORS; ++v)
+      a[v] = (__m512bh)_mm512_loadu_si512(activations + v * group_stride + pair * TILE_LANES);
+    for (int j = 0; j < COLS; ++j) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32((int)panel[j * panel_stride + pair]);
+      for (int v = 0; v < VECTORS; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], a[v], b);
+    }
+  }
+  for (int v = 0; v < VECTORS; ++v)
+    for (int j = 0; j < COLS; ++j) _mm512_storeu_ps(sums + j * sums_stride + v * TILE_LANES, acc[v][j]);
+}
+
+/* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block), widened into `panel`
+ * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero). */
+BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t n0,
+                                           int64_t cols, int64_t k0, int64_t k_block, uint16_t* panel) {
+  for (int64_t c = 0; c < TILE_PANEL_COLS; ++c) {
+    uint16_t* dest = panel + c * k_block;
+    if (c >= cols) {
+      memset(dest, 0, sizeof(uint16_t) * (size_t)k_block);
+      continue;
+    }
+    const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+    for (int64_t kk = 0; kk < k_block; kk += 64) {
+      __m512i out0, out1;
+      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(p->k - (k0 + kk)), row + k0 + kk), &out0, &out1);
+      _mm512_storeu_si512(dest + kk, out0);
+      _mm512_storeu_si512(dest + kk + 32, out1);
+    }
+  }
+}
+
+/* sums[col][m] (float32, column-major by output column) -> out rows. */
+BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, int64_t sums_stride,
+                                      int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float scale_a = p->scale_a[p->scale_a_per_row ? m : 0];
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
+      const __m512i index = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)c0),
+                                                                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)),
+                                               _mm512_set1_epi32((int)sums_stride));
+      const __m512 sum = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, sums + (m - m_begin), 4);
+      const int64_t n = n0 + c0;
+      const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
+      __m512 bias = _mm512_setzero_ps();
+      if (p->bias) {
+        switch (p->bias_dtype) {
+          case FP8_BFLOAT16:
+            bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n)), 16));
+            break;
+          case FP8_FLOAT16: bias = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n)); break;
+          default: bias = _mm512_maskz_loadu_ps(mask, (const float*)p->bias + n); break;
+        }
+      }
+      const __m512 value = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(scale_a), scale_b), bias);
+      const int64_t offset = m * p->out_row_stride + n;
+      switch (p->out_dtype) {
+        case FP8_BFLOAT16:
+          _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask, (__m256i)_mm512_cvtneps_pbh(value));
+          break;
+        case FP8_FLOAT16:
+          _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask, _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          break;
+        default: _mm512_mask_storeu_ps((float*)p->out + offset, mask, value); break;
+      }
+    }
+  }
+}
+
+BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
+                                    int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded;
+  const int64_t group_stride = (kp / 2) * TILE_LANES;                     /* uint32 between row groups */
+  const int64_t rows = ((m_end - m_begin + TILE_LANES - 1) / TILE_LANES) * TILE_LANES;
+  uint16_t* panel = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * TILE_PANEL_COLS * TILE_K_BLOCK);
+  float* sums = (float*)aligned_alloc(64, sizeof(float) * (size_t)(TILE_PANEL_COLS * rows));
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_PANEL_COLS) {
+    const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
+    for (int64_t k0 = 0; k0 < kp; k0 += TILE_K_BLOCK) {
+      const int64_t k_block = kp - k0 < TILE_K_BLOCK ? kp - k0 : TILE_K_BLOCK;
+      widen_weight_panel(p, &t, n0, cols, k0, k_block, panel);
+      for (int64_t r0 = 0; r0 < rows;) {
+        const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
+        /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as 2 + 2
+         * rather than 3 + 1, since a 1-vector tile is bound by its broadcasts. */
+        const int64_t groups_left = (rows - r0) / TILE_LANES;
+        const int vectors = groups_left == 1 ? 1 : (groups_left == 2 || groups_left == 4) ? 2 : 3;
+        const int pairs = (int)(k_block / 2);
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+          const uint32_t* panel_cols = (const uint32_t*)(panel + c0 * k_block);
+          float* tile_sums = sums + c0 * rows + r0;
+          const int first = k0 == 0;
+          /* 16 columns per tile: as 2 x 8 for 3 vectors (24 accumulators), at once for 1 */
+          switch (vectors) {
+            case 3:
+              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 3, 8);
+              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first, 3, 8);
+              break;
+            case 2:
+              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 2, 8);
+              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first, 2, 8);
+              break;
+            default: tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 1, 16); break;
+          }
+        }
+        r0 += vectors * TILE_LANES;
+      }
+    }
+    tile_epilogue(p, sums, rows, m_begin, m_end, n0, cols);
+  }
+  free(sums);
+  free(panel);
+}
+
+/* ---- entry points ---------------------------------------------------------- */
+
+BF16_TARGET void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                                  int64_t m_begin, int64_t m_end) {
+  build_widen_tables();
+  const widen_tables_t t = load_widen_tables(p->a_format);
+  const int64_t kp = plan->k_padded;
+  if (plan->method == FP8_MM_BF16_DOT) {
+    for (int64_t m = m_begin; m < m_end; ++m) widen_activation_row(p, &t, m, kp, (uint16_t*)workspace + m * kp);
+    return;
+  }
+  uint16_t* row = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)kp);
+  for (int64_t group = m_begin / TILE_LANES; group * TILE_LANES < m_end; ++group)
+    pack_activation_group(p, &t, group, kp, (uint32_t*)workspace, row);
+  free(row);
+}
+
+BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                                  int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  build_widen_tables();
+  if (plan->method == FP8_MM_BF16_DOT) {
+    dot_kernel(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
+  } else {
+    tile_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
+  }
+}
