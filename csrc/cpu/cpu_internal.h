@@ -49,6 +49,12 @@ void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan
 void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
+/* The float32 FMA kernels (gemm_float.c); plan->k_padded is a multiple of 16. */
+void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                       int64_t m_begin, int64_t m_end);
+void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
 /* 256-entry decode tables (fp8 code -> float32), built once. */
 const float* fp8_decode_table(fp8_format format);
 

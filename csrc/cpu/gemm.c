@@ -90,6 +90,12 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.tile_n = 64;
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
+  } else if (plan.variant >= FP8_CPU_AVX2) {
+    plan.method = FP8_MM_FLOAT_DOT;
+    plan.k_padded = round_up(p->k, 16);
+    plan.tile_m = p->m < 64 ? p->m : 64;
+    plan.tile_n = 32;
+    plan.workspace_bytes = p->m * plan.k_padded * (int64_t)sizeof(float);
   }
   return plan;
 }
@@ -98,6 +104,8 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
                                int64_t m_begin, int64_t m_end) {
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE)
     fp8_bf16_prepare(p, plan, workspace, m_begin, m_end);
+  else if (plan->method == FP8_MM_FLOAT_DOT)
+    fp8_float_prepare(p, plan, workspace, m_begin, m_end);
 }
 
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
@@ -107,6 +115,7 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
   switch (plan->method) {
     case FP8_MM_BF16_DOT:
     case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
+    case FP8_MM_FLOAT_DOT: fp8_float_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
     default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
   }
 }

@@ -1,0 +1,132 @@
+/* scaled_mm with float32 FMA dot products, for CPUs without AVX512-BF16 (AVX2 or
+ * AVX-512) and for float32/float16 activations in weight-only mode (whose products
+ * with fp8 are not exact in bf16).
+ *
+ * Activations are widened once into a float32 workspace ([M][k_padded], zero
+ * padded); weight rows (contiguous K bytes each, the layout of w.t()) are widened
+ * in registers by gathering from the 256-entry decode table, which is exact by
+ * construction and small enough to stay in L1. Each output is a dot product over
+ * K held in vector partial sums and reduced once at the end.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+enum { FLOAT_ROWS = 4, FLOAT_COLS = 4 };
+
+void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                       int64_t m_begin, int64_t m_end) {
+  const float* decode = fp8_decode_table(p->a_format);
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    float* row = (float*)workspace + m * plan->k_padded;
+    for (int64_t k = 0; k < plan->k_padded; ++k) {
+      const int64_t offset = m * p->a_row_stride + k * p->a_col_stride;
+      if (k >= p->k) {
+        row[k] = 0.0f;
+      } else {
+        row[k] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset) : decode[((const uint8_t*)p->a)[offset]];
+      }
+    }
+  }
+}
+
+ALWAYS_INLINE void store_dot(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
+  const float scale = p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
+  fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
+}
+
+/* ROWS activation rows x COLS weight rows; 16 k per step. */
+AVX512_TARGET ALWAYS_INLINE void dot_block_avx512(const fp8_scaled_mm_params* p, const float* activations,
+                                                  int64_t k_padded, const float* decode, int64_t m0, int64_t n0,
+                                                  const int ROWS, const int COLS) {
+  __m512 acc[FLOAT_ROWS][FLOAT_COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_padded; k0 += 16) {
+    const __mmask16 mask = p->k - k0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p->k - k0)) - 1u);
+    __m512 w[FLOAT_COLS];
+    for (int c = 0; c < COLS; ++c) {
+      const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride + k0;
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, row));
+      w[c] = _mm512_i32gather_ps(codes, decode, 4); /* padding codes are 0 -> 0.0 */
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 a = _mm512_loadu_ps(activations + (m0 + r) * k_padded + k0);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_fmadd_ps(a, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+}
+
+AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+AVX2_TARGET ALWAYS_INLINE void dot_block_avx2(const fp8_scaled_mm_params* p, const float* activations,
+                                              int64_t k_padded, const float* decode, int64_t m0, int64_t n0,
+                                              const int ROWS, const int COLS) {
+  __m256 acc[FLOAT_ROWS][FLOAT_COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_padded; k0 += 8) {
+    __m256 w[FLOAT_COLS];
+    for (int c = 0; c < COLS; ++c) {
+      const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride + k0;
+      uint64_t chunk = 0; /* the tail of a row is read byte by byte: never past its end */
+      if (p->k - k0 >= 8) {
+        memcpy(&chunk, row, 8);
+      } else {
+        for (int64_t i = 0; i < p->k - k0; ++i) chunk |= (uint64_t)row[i] << (8 * i);
+      }
+      const __m256i codes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)chunk));
+      w[c] = _mm256_i32gather_ps(decode, codes, 4);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_loadu_ps(activations + (m0 + r) * k_padded + k0);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, sum8(acc[r][c]));
+}
+
+/* Blocks of up to FLOAT_ROWS activation rows by FLOAT_COLS weight rows, with
+ * one-row and one-column tails. */
+#define FLOAT_DOT_DRIVER(NAME, BLOCK, TARGET)                                                          \
+  TARGET static void NAME(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a, \
+                          int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {            \
+    const float* decode = fp8_decode_table(p->b_format);                                               \
+    const int64_t kp = plan->k_padded;                                                                 \
+    int64_t m0 = m_begin;                                                                              \
+    for (; m0 + FLOAT_ROWS <= m_end; m0 += FLOAT_ROWS) {                                               \
+      int64_t n = n_begin;                                                                             \
+      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) BLOCK(p, a, kp, decode, m0, n, FLOAT_ROWS, FLOAT_COLS); \
+      for (; n < n_end; ++n) BLOCK(p, a, kp, decode, m0, n, FLOAT_ROWS, 1);                            \
+    }                                                                                                  \
+    for (; m0 < m_end; ++m0) {                                                                         \
+      int64_t n = n_begin;                                                                             \
+      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) BLOCK(p, a, kp, decode, m0, n, 1, FLOAT_COLS);  \
+      for (; n < n_end; ++n) BLOCK(p, a, kp, decode, m0, n, 1, 1);                                     \
+    }                                                                                                  \
+  }
+
+FLOAT_DOT_DRIVER(float_dot_avx512, dot_block_avx512, AVX512_TARGET)
+FLOAT_DOT_DRIVER(float_dot_avx2, dot_block_avx2, AVX2_TARGET)
+
+void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  if (plan->variant >= FP8_CPU_AVX512) {
+    float_dot_avx512(p, plan, (const float*)workspace, m_begin, m_end, n_begin, n_end);
+  } else {
+    float_dot_avx2(p, plan, (const float*)workspace, m_begin, m_end, n_begin, n_end);
+  }
+}
