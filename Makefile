@@ -13,13 +13,19 @@ DEPS_STAMP := $(VENV)/.fp8linear-deps
 BUILD_STAMP := $(VENV)/.fp8linear-build
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test install deps clean
+.PHONY: demo test bench install deps clean
 
 demo: install
 	$(PY) -m fp8linear demo
 
 test: install
 	$(PY) -m pytest -q
+
+# The CPU benchmark (about 15 minutes): benchmarks/results/cpu.md and cpu.png.
+# torchao is installed only so that the benchmark can try its CPU float8 path.
+bench: install
+	$(PIP) install --no-deps torchao
+	$(PY) benchmarks/bench_cpu.py
 
 install: $(BUILD_STAMP)
 

@@ -1,0 +1,251 @@
+"""CPU benchmark: FP8Linear against what a user would pick instead, in one run.
+
+    python benchmarks/bench_cpu.py            # full run (about 15 minutes on 2 cores)
+    python benchmarks/bench_cpu.py --smoke    # seconds; part of the tests
+
+For each weight shape (Llama-3-8B's and SmolLM2-135M's) and each number of rows M,
+times nn.Linear in bf16 and fp32, torch._scaled_mm on the same fp8 data, torchao's
+float8 linear where it runs, and FP8Linear (its activation quantization included).
+Decode-sized cases (M <= 16) cycle through enough copies of the layer that each
+format reads >= 1 GB of weights per pass: one layer timed in a loop would measure
+the cache, where an fp8 layer fits and its bf16 twin doesn't. Contenders are timed
+in turn within each repetition (so drifting machine load hits all of them) and the
+median is reported. The machine's read bandwidth is measured in the same run.
+
+Writes benchmarks/results/cpu.md and cpu.png (speedup over bf16 vs M).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import fp8linear
+from fp8linear import reference
+from fp8linear._native import native
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+SHAPES = {  # name: (out_features N, in_features K)
+    "Llama-3-8B q/o 4096x4096": (4096, 4096),
+    "Llama-3-8B up/gate 14336x4096": (14336, 4096),
+    "Llama-3-8B down 4096x14336": (4096, 14336),
+    "SmolLM2 up/gate 1536x576": (1536, 576),
+    "SmolLM2 down 576x1536": (576, 1536),
+    "SmolLM2 q/o 576x576": (576, 576),
+}
+ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
+DECODE_ROWS = 16            # up to here weights are cycled from DRAM
+SLOW_CONTENDERS = ("_scaled_mm", "fp32")
+WEIGHT_BYTES_PER_PASS = 1 << 30
+
+
+def median_time(fn, items, repeats: int) -> float:
+    """Median over repeats of the mean time of fn over items (seconds per call)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for item in items:
+            fn(item)
+        times.append((time.perf_counter() - start) / len(items))
+    return statistics.median(times)
+
+
+def read_bandwidth(gigabytes: float, repeats: int) -> float:
+    """GB/s of reading a buffer far larger than the last-level cache, all threads."""
+    buffer = torch.ones(int(gigabytes * 1e9), dtype=torch.uint8)
+    native().read_bandwidth_probe(buffer)
+    seconds = median_time(native().read_bandwidth_probe, [buffer], repeats)
+    return buffer.numel() / seconds / 1e9
+
+
+def try_torchao():
+    """(quantize function, None) if torchao's float8 linear runs on the CPU, else (None, why not)."""
+    try:
+        import torchao
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
+    except Exception as error:  # not installed, or does not import beside this torch
+        return None, f"torchao not importable ({type(error).__name__}: {error})"
+    probe = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False).bfloat16())
+    try:
+        quantize_(probe, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
+        probe(torch.randn(2, 64, dtype=torch.bfloat16))
+    except Exception as error:
+        return None, f"torchao {torchao.__version__} refuses the CPU: {str(error).splitlines()[0]}"
+
+    def make(linear):
+        model = torch.nn.Sequential(linear)
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
+        return model
+
+    return make, None
+
+
+def layer_copies(n: int, k: int, rows: int, element_bytes: int, smoke: bool) -> int:
+    if smoke:
+        return 2
+    if rows > DECODE_ROWS:
+        return 2  # compute-bound: the cache does not flatter anyone
+    return max(2, -(-WEIGHT_BYTES_PER_PASS // (n * k * element_bytes)))
+
+
+def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table):
+    for rows in rows_list:
+        torch.manual_seed(0)
+        source = torch.nn.Linear(k, n, bias=False)
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        copies8 = layer_copies(n, k, rows, 1, smoke)
+        fp8_layers = [fp8linear.FP8Linear.from_linear(source) for _ in range(copies8)]
+        bf16_weights = [source.weight.detach().bfloat16().clone() for _ in range(layer_copies(n, k, rows, 2, smoke))]
+        fp32_weights = [source.weight.detach().clone() for _ in range(layer_copies(n, k, rows, 4, smoke))]
+        x32 = x.float()
+        qx, sx = fp8linear.quantize_fp8(x)
+        contenders = {
+            "bf16": (lambda w: F.linear(x, w), bf16_weights),
+            "fp32": (lambda w: F.linear(x32, w), fp32_weights),
+            "fp8linear": (lambda layer: layer(x), fp8_layers),
+            # torch's CPU fp8 GEMM is slow enough that one layer per pass is plenty
+            "_scaled_mm": (lambda layer: torch._scaled_mm(qx, layer.weight.t(), sx, layer.weight_scale,
+                                                          out_dtype=torch.bfloat16), fp8_layers[:1]),
+        }
+        if torchao_make is not None:
+            contenders["torchao"] = (lambda model: model(x), [torchao_make(torch.nn.Linear(k, n, bias=False).bfloat16())])
+        for fn, items in contenders.values():
+            fn(items[0])  # warm up: first-call costs stay out of the numbers
+        times = {key: [] for key in contenders}
+        for repeat in range(repeats):
+            for key, (fn, items) in contenders.items():
+                if key in SLOW_CONTENDERS and rows > DECODE_ROWS and repeat >= 3:
+                    continue  # seconds per call at large M: three samples are enough
+                times[key].append(median_time(fn, items, 1))
+        result = {key: statistics.median(values) for key, values in times.items()}
+        table.append((name, n, k, rows, result))
+        print(format_row(table[-1]), flush=True)
+
+
+def format_row(entry, bandwidth=None):
+    name, n, k, rows, t = entry
+    fp8 = t["fp8linear"]
+    gbs = n * k / fp8 / 1e9
+    cells = [name, str(rows), f"{fp8 * 1e3:.3f}", f"{t['bf16'] * 1e3:.3f}", f"{t['bf16'] / fp8:.2f}x",
+             f"{t['fp32'] / fp8:.2f}x", f"{t['_scaled_mm'] / fp8:.1f}x",
+             f"{t['torchao'] / fp8:.2f}x" if "torchao" in t else "n/a", f"{gbs:.1f}",
+             f"{2 * rows * n * k / fp8 / 1e12:.3f}"]
+    if bandwidth:
+        cells.append(f"{100 * gbs / bandwidth:.0f}%" if rows == 1 else "")
+    return "| " + " | ".join(cells) + " |"
+
+
+def bench_quantize(elements: int, repeats: int):
+    """quantize_fp8 on bf16, dynamic per-tensor: ours vs the eager reference."""
+    x = torch.randn(elements, dtype=torch.bfloat16)
+    ours = median_time(lambda t: fp8linear.quantize_fp8(t), [x], repeats)
+    eager = median_time(lambda t: reference.quantize_fp8(t), [x], max(1, repeats // 2))
+    return ours, eager, elements * 3  # bytes: 2 read + 1 written per element
+
+
+def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    header = ("| layer (N x K) | M | fp8linear ms | bf16 ms | vs bf16 | vs fp32 | vs _scaled_mm | vs torchao "
+              "| fp8 weight GB/s | TFLOP/s | % of read BW |")
+    lines = [
+        "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
+        "",
+        f"Command: `{' '.join([pathlib.Path(sys.executable).name, *sys.argv])}`  ",
+        f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+        f"CPU kernels: {native().cpu_variant()}; {platform.processor() or platform.machine()}; "
+        f"run took {elapsed / 60:.1f} min.  ",
+        f"Measured read bandwidth (all threads, {args.probe_gb:g} GB buffer): **{bandwidth:.1f} GB/s**.  ",
+        f"torchao: {torchao_note}.",
+        "",
+        "Times are medians over repetitions of one pass over the layer copies; ratios > 1 mean FP8Linear is "
+        f"faster. M <= {DECODE_ROWS} cycles through >= 1 GB of weights per format (from DRAM); larger M uses "
+        "two copies (compute-bound). FP8Linear's time includes quantizing its bf16 input; `_scaled_mm` is "
+        "given pre-quantized input. GB/s counts fp8 weight bytes only.",
+        "",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
+    ]
+    lines += [format_row(entry, bandwidth) for entry in table]
+    ours, eager, bytes_moved = quantize
+    lines += [
+        "",
+        f"quantize_fp8, {args.quantize_elements / 2**20:.0f} Mi bf16 elements, dynamic per-tensor: "
+        f"{ours * 1e3:.2f} ms = {bytes_moved / ours / 1e9:.1f} GB/s (2 bytes read + 1 written per element) = "
+        f"{100 * bytes_moved / ours / 1e9 / bandwidth:.0f}% of the read bandwidth; {eager / ours:.1f}x the eager "
+        f"reference ({eager * 1e3:.1f} ms).",
+    ]
+    (args.output_dir / args.name).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(table, (args.output_dir / args.name).with_suffix(".png"))
+
+
+def plot(table, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(entry[0] for entry in table):
+        entries = [e for e in table if e[0] == name]
+        axis.plot([e[3] for e in entries], [e[4]["bf16"] / e[4]["fp8linear"] for e in entries], marker="o", label=name)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("rows M (tokens in the batch)")
+    axis.set_ylabel("speedup of FP8Linear over bf16 nn.Linear")
+    axis.set_title(f"fp8linear on the CPU ({torch.get_num_threads()} threads)")
+    axis.legend(fontsize=8)
+    axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks the script runs")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
+    parser.add_argument("--name", default="cpu", help="results file name (without suffix)")
+    parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shapes = dict(SHAPES)
+    if args.shapes:
+        keep = args.shapes.split(",")
+        shapes = {name: shape for name, shape in shapes.items() if any(part in name for part in keep)}
+    if args.smoke:
+        shapes = {"smoke 96x80": (96, 80), "smoke 40x136": (40, 136)}
+        rows_list = [1, 17]
+        args.repeats = 1
+        args.name = "cpu-smoke"
+    args.probe_gb = 0.05 if args.smoke else 2.0
+    args.quantize_elements = (1 << 16) if args.smoke else (64 << 20)
+    start = time.perf_counter()
+    bandwidth = read_bandwidth(args.probe_gb, 3 if args.smoke else 7)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    torchao_make, torchao_note = try_torchao()
+    torchao_note = torchao_note or "runs on the CPU (column 'vs torchao')"
+    print(f"torchao: {torchao_note}", flush=True)
+    table = []
+    for name, (n, k) in shapes.items():
+        bench_shape(name, n, k, rows_list, args.repeats, args.smoke, torchao_make, table)
+    quantize = bench_quantize(args.quantize_elements, args.repeats)
+    write_results(args, table, bandwidth, quantize, torchao_note, time.perf_counter() - start)
+    print((args.output_dir / args.name).with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

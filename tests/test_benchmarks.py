@@ -1,0 +1,21 @@
+"""The benchmark scripts run (--smoke) and write their table and plot."""
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_cpu_smoke(tmp_path):
+    load_script("bench_cpu").main(["--smoke", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "cpu-smoke.md").read_text()
+    assert "read bandwidth" in table and "quantize_fp8" in table
+    rows = [line for line in table.splitlines() if line.startswith("| smoke")]
+    assert len(rows) == 4  # two shapes x two row counts
+    assert (tmp_path / "cpu-smoke.png").stat().st_size > 1000
