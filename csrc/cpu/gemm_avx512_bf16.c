@@ -136,7 +136,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
     const __mmask64 mask = tail_mask64(k - k0);
     __m512i w0[4], w1[4];
     for (int c = 0; c < COLS; ++c) {
-      _mm_prefetch((const char*)(weight_rows[c] + k0 + 1024), _MM_HINT_T0);
+      /* the same bytes two blocks of weight rows ahead: rows are often exactly one
+       * page long and the hardware prefetchers stop at page boundaries (measured at
+       * M = 1, 14336 x 4096: 47% of the read probe without, 81% with) */
+      _mm_prefetch((const char*)(weight_rows[c] + 2 * COLS * p->b_col_stride + k0), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -152,14 +155,17 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
     for (int c = 0; c < COLS; ++c) store_output(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
 }
 
-/* One block of up to 8 activation rows against weight rows [n_begin, n_end):
- * four weight rows at a time while few activation rows leave registers free. */
-#define DOT_ROWS_CASE(ROWS, COLS)                                                          \
-  case ROWS: {                                                                             \
-    int64_t n = n_begin;                                                                   \
-    for (; n + COLS <= n_end; n += COLS) dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); \
-    for (; n < n_end; ++n) dot_block(p, &t, activations, kp, m0, n, ROWS, 1);              \
-    break;                                                                                 \
+/* Weight rows are the outer loop: each block of them is read from memory once and
+ * reused from L1 by every block of up to 8 activation rows. Four weight rows at a
+ * time while few activation rows leave registers free, else two. */
+#define DOT_CASE(ROWS, COLS) \
+  case ROWS: dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); break;
+#define DOT_ROW_BLOCKS(COLS)                                            \
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 4) {                     \
+    switch (m_end - m0 >= 4 ? 4 : (int)(m_end - m0)) {                  \
+      DOT_CASE(1, COLS) DOT_CASE(2, COLS) DOT_CASE(3, COLS) DOT_CASE(4, COLS) \
+      default: break;                                                   \
+    }                                                                   \
   }
 
 BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
@@ -167,19 +173,9 @@ BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_
                                    int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += 8) {
-    switch (m_end - m0 >= 8 ? 8 : (int)(m_end - m0)) {
-      DOT_ROWS_CASE(1, 4)
-      DOT_ROWS_CASE(2, 4)
-      DOT_ROWS_CASE(3, 4)
-      DOT_ROWS_CASE(4, 4)
-      DOT_ROWS_CASE(5, 2)
-      DOT_ROWS_CASE(6, 2)
-      DOT_ROWS_CASE(7, 2)
-      DOT_ROWS_CASE(8, 2)
-      default: break;
-    }
-  }
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) DOT_ROW_BLOCKS(4)
+  for (; n < n_end; ++n) DOT_ROW_BLOCKS(1)
 }
 
 /* ---- tile kernel (large M) ------------------------------------------------- */
