@@ -67,8 +67,10 @@ def read_bandwidth(gigabytes: float, repeats: int) -> float:
     return buffer.numel() / seconds / 1e9
 
 
-def try_torchao():
+def try_torchao(extra_path=None):
     """(quantize function, None) if torchao's float8 linear runs on the CPU, else (None, why not)."""
+    if extra_path is not None and extra_path.is_dir():
+        sys.path.insert(0, str(extra_path))
     try:
         import torchao
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
@@ -217,6 +219,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
     parser.add_argument("--name", default="cpu", help="results file name (without suffix)")
     parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--extra-path", type=pathlib.Path, default=None,
+                        help="a folder with torchao installed (make bench puts it in .venv/bench-extras)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -236,7 +240,7 @@ def main(argv=None):
     start = time.perf_counter()
     bandwidth = read_bandwidth(args.probe_gb, 3 if args.smoke else 7)
     print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
-    torchao_make, torchao_note = try_torchao()
+    torchao_make, torchao_note = try_torchao(args.extra_path)
     torchao_note = torchao_note or "runs on the CPU (column 'vs torchao')"
     print(f"torchao: {torchao_note}", flush=True)
     table = []
