@@ -165,3 +165,22 @@ def test_opcheck():
     torch.library.opcheck(op, (a, b, scale_a, scale_b, None, torch.float32), test_utils=OPCHECK_FP8_TESTS)
     torch.library.opcheck(op, (torch.randn(3, 16), b, torch.ones(()), scale_b, None, torch.float32),
                           test_utils=OPCHECK_FP8_TESTS)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 50, 300])
+def test_thread_count_does_not_change_results(m):
+    # work is split over torch's intra-op pool; each output is computed by one thread in
+    # a fixed order, so 1 and 2 threads must agree bit for bit
+    a, b, scale_a, scale_b = _operands(m, 700, 130)
+    x = torch.randn(m, 700)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = (fp8linear.scaled_mm(a, b, scale_a, scale_b), fp8linear.quantize_fp8(x))
+        torch.set_num_threads(2)
+        double = (fp8linear.scaled_mm(a, b, scale_a, scale_b), fp8linear.quantize_fp8(x))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(single[0], double[0])
+    assert torch.equal(single[1][0].view(torch.uint8), double[1][0].view(torch.uint8))
+    assert torch.equal(single[1][1], double[1][1])
