@@ -247,39 +247,73 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
   }
 }
 
-/* sums[col][m] (float32, column-major by output column) -> out rows. */
-BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, int64_t sums_stride,
+/* In-register transpose of 16 x 16 floats: r[i][j] -> r[j][i] (64 shuffles). */
+BF16_TARGET ALWAYS_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) { /* per 128-bit lane: pairs of rows interleaved */
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) { /* u[4g + q], lane L: column 4L + q of rows 4g..4g+3 */
+    const __m512d t0 = _mm512_castps_pd(t[4 * g]), t1 = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * g + 2]), t3 = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int q = 0; q < 4; ++q) { /* gather lane L of u[q], u[4+q], u[8+q], u[12+q] */
+    const __m512 v0 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x44), v1 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xEE);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x44), w1 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xEE);
+    r[q] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[4 + q] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[8 + q] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[12 + q] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+BF16_TARGET ALWAYS_INLINE __m512 load_bias16(const fp8_scaled_mm_params* p, int64_t n, __mmask16 mask) {
+  if (!p->bias) return _mm512_setzero_ps();
+  switch (p->bias_dtype) {
+    case FP8_BFLOAT16: {
+      const __m256i bits = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    case FP8_FLOAT16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n));
+    default: return _mm512_maskz_loadu_ps(mask, (const float*)p->bias + n);
+  }
+}
+
+/* sums[col][row] (float32, by output column; `rows` a multiple of 16) -> out, in
+ * 16 x 16 blocks transposed in registers so that each output row is written with
+ * one (masked) vector store. */
+BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, int64_t rows,
                                       int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols) {
-  for (int64_t m = m_begin; m < m_end; ++m) {
-    const float scale_a = p->scale_a[p->scale_a_per_row ? m : 0];
-    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-      const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
-      const __m512i index = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)c0),
-                                                                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)),
-                                               _mm512_set1_epi32((int)sums_stride));
-      const __m512 sum = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, sums + (m - m_begin), 4);
-      const int64_t n = n0 + c0;
-      const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
-      __m512 bias = _mm512_setzero_ps();
-      if (p->bias) {
-        switch (p->bias_dtype) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
+    const int64_t n = n0 + c0;
+    const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
+    const __m512 bias = load_bias16(p, n, mask);
+    for (int64_t r0 = 0; r0 < m_end - m_begin; r0 += 16) {
+      __m512 block[16];
+      for (int c = 0; c < 16; ++c) block[c] = _mm512_loadu_ps(sums + (c0 + c) * rows + r0); /* columns past `cols` hold zeros */
+      transpose16(block);
+      const int64_t valid_rows = m_end - m_begin - r0 < 16 ? m_end - m_begin - r0 : 16;
+      for (int64_t j = 0; j < valid_rows; ++j) {
+        const int64_t m = m_begin + r0 + j;
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
+        const __m512 value = _mm512_fmadd_ps(block[j], scale, bias);
+        const int64_t offset = m * p->out_row_stride + n;
+        switch (p->out_dtype) {
           case FP8_BFLOAT16:
-            bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n)), 16));
+            _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask, (__m256i)_mm512_cvtneps_pbh(value));
             break;
-          case FP8_FLOAT16: bias = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n)); break;
-          default: bias = _mm512_maskz_loadu_ps(mask, (const float*)p->bias + n); break;
+          case FP8_FLOAT16:
+            _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask,
+                                     _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            break;
+          default: _mm512_mask_storeu_ps((float*)p->out + offset, mask, value); break;
         }
-      }
-      const __m512 value = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(scale_a), scale_b), bias);
-      const int64_t offset = m * p->out_row_stride + n;
-      switch (p->out_dtype) {
-        case FP8_BFLOAT16:
-          _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask, (__m256i)_mm512_cvtneps_pbh(value));
-          break;
-        case FP8_FLOAT16:
-          _mm256_mask_storeu_epi16((uint16_t*)p->out + offset, mask, _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          break;
-        default: _mm512_mask_storeu_ps((float*)p->out + offset, mask, value); break;
       }
     }
   }
