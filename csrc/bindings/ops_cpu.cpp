@@ -11,6 +11,7 @@
 
 #include "../kernels.h"
 #include "checks.h"
+#include "params.h"
 
 namespace fp8linear {
 namespace {
@@ -33,19 +34,6 @@ void advise_huge_pages(const at::Tensor& tensor) {
 
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
-
-fp8_quantize_params quantize_params_of(const RowView& view, const at::Tensor& q, fp8_format format) {
-  fp8_quantize_params p{};
-  p.x = view.x.data_ptr();
-  p.rows = view.rows;
-  p.cols = view.cols;
-  p.x_row_stride = view.row_stride;
-  p.x_col_stride = view.col_stride;
-  p.x_dtype = float_dtype_of(view.x.scalar_type(), "x");
-  p.q = static_cast<uint8_t*>(q.data_ptr());
-  p.format = format;
-  return p;
-}
 
 // One scale for the whole tensor: a parallel amax, then a parallel quantize.
 // Long rows are split by columns so that a single huge row still uses every thread.
@@ -122,36 +110,14 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                          at::ScalarType out_dtype) {
   check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const int64_t m = a.size(0), n = b.size(1);
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   advise_huge_pages(out);
   if (m == 0 || n == 0) return out;
   // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
   const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  fp8_scaled_mm_params p{};
-  p.a = a.data_ptr();
-  p.a_is_float = !is_fp8(a.scalar_type());
-  p.a_float_dtype = p.a_is_float ? float_dtype_of(a.scalar_type(), "a") : FP8_FLOAT32;
-  p.a_row_stride = a.stride(0);
-  p.a_col_stride = a.stride(1);
-  p.b = static_cast<const uint8_t*>(b.data_ptr());
-  p.b_row_stride = b.stride(0);
-  p.b_col_stride = b.stride(1);
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.a_format = p.a_is_float ? FP8_E4M3FN : fp8_format_of(a.scalar_type(), "a");
-  p.b_format = fp8_format_of(b.scalar_type(), "b");
-  p.scale_a = scale_a_c.data_ptr<float>();
-  p.scale_a_per_row = scale_is_per_row_or_column(scale_a);
-  p.scale_b = scale_b_c.data_ptr<float>();
-  p.scale_b_per_col = scale_is_per_row_or_column(scale_b);
-  p.bias = bias_c.defined() ? bias_c.data_ptr() : nullptr;
-  p.bias_dtype = bias_c.defined() ? float_dtype_of(bias_c.scalar_type(), "bias") : FP8_FLOAT32;
-  p.out = out.data_ptr();
-  p.out_row_stride = out.stride(0);
-  p.out_dtype = float_dtype_of(out_dtype, "out_dtype");
+  const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p);
   at::Tensor workspace = at::empty({plan.workspace_bytes}, a.options().dtype(at::kByte));
   advise_huge_pages(workspace);

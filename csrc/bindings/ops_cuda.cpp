@@ -1,0 +1,147 @@
+// CUDA implementations of the ops: the shared checks, then the torch-free launchers
+// of csrc/cuda on the current stream of the operands' device. Nothing here waits for
+// the GPU: dynamic scales stay on the device, static ones are read there.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../cuda/cuda_kernels.h"
+#include "checks.h"
+#include "params.h"
+
+namespace fp8linear {
+namespace {
+
+// The kernel family scaled_mm must use (tests and benchmarks force each in turn).
+std::atomic<int> forced_path{FP8_CUDA_PATH_AUTO};
+// What the last scaled_mm on this thread ran, so tests can see that a path was taken.
+thread_local fp8_cuda_path last_path = FP8_CUDA_PATH_NONE;
+
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
+
+const fp8_cuda_device_info& device_info(int device) {
+  const char* error = nullptr;
+  const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
+  TORCH_CHECK(info != nullptr, error);
+  return *info;
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                     at::ScalarType dtype, bool per_row) {
+  const std::vector<int64_t> scale_shape = check_quantize_args(x, scale, dtype, per_row);
+  check_cuda(x, "x");
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::TensorOptions float_options = x.options().dtype(at::kFloat);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  // Static scales come back as copies: an op's outputs must not alias its inputs.
+  if (x.numel() == 0) {
+    if (scale.has_value()) return {q, scale->clone()};
+    const float floor = scale_from_amax(0.0f, format);  // amax of nothing is 0: the floor
+    return {q, per_row ? at::full(scale_shape, floor, float_options) : at::full({}, floor, float_options)};
+  }
+  // A contiguous tensor is one long row for a per-tensor scale: every block gets a share.
+  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, 1, x.numel(), x.numel(), 1} : row_view(x);
+  const fp8_quantize_params p = quantize_params_of(view, q, format);
+  const int multiprocessors = device_info(x.get_device()).multiprocessors;
+  if (!per_row) {
+    if (scale.has_value()) {
+      check_launch(fp8_cuda_quantize_static_launch(&p, scale->data_ptr<float>(), 0, multiprocessors, stream));
+      return {q, scale->clone()};
+    }
+    at::Tensor used = at::empty({}, float_options);
+    at::Tensor amax = at::empty({1}, x.options().dtype(at::kInt));
+    check_launch(fp8_cuda_quantize_tensor_dynamic_launch(&p, static_cast<unsigned int*>(amax.data_ptr()),
+                                                         used.data_ptr<float>(), multiprocessors, stream));
+    return {q, used};
+  }
+  if (scale.has_value()) {
+    const at::Tensor row_scales = scale->contiguous();
+    check_launch(fp8_cuda_quantize_static_launch(&p, row_scales.data_ptr<float>(), 1, multiprocessors, stream));
+    return {q, scale->clone()};
+  }
+  at::Tensor row_scales = at::empty(scale_shape, float_options);
+  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), stream));
+  return {q, row_scales};
+}
+
+at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype) {
+  check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
+  check_cuda(a, "a");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t m = a.size(0), n = b.size(1);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  if (m == 0 || n == 0) {
+    last_path = FP8_CUDA_PATH_NONE;
+    return out;
+  }
+  // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
+  fp8_cuda_path used = FP8_CUDA_PATH_NONE;
+  const char* error = fp8_cuda_scaled_mm_launch(&p, static_cast<fp8_cuda_path>(forced_path.load()), a.get_device(),
+                                                at::cuda::getCurrentCUDAStream(), &used);
+  last_path = used;
+  check_launch(error);
+  return out;
+}
+
+std::vector<std::string> cuda_paths() {
+  std::vector<std::string> names;
+  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
+    names.emplace_back(fp8_cuda_path_name(static_cast<fp8_cuda_path>(path)));
+  }
+  return names;
+}
+
+void set_cuda_path(const std::string& name) {
+  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
+    if (name == fp8_cuda_path_name(static_cast<fp8_cuda_path>(path))) {
+      forced_path.store(path);
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "unknown CUDA path '", name, "'; expected one of: ", c10::Join(", ", cuda_paths()));
+}
+
+// What a device gets without forcing: FP8 tensor cores, up-conversion, or the SIMT kernel.
+std::string cuda_device_path(int64_t device) {
+  const fp8_cuda_device_info& info = device_info(static_cast<int>(device));
+  const int capability = info.major * 10 + info.minor;
+  return capability >= 89 ? "fp8" : capability >= 80 ? "upconvert" : "generic";
+}
+
+}  // namespace
+
+void register_cuda_python(pybind11::module& module) {
+  module.def("cuda_paths", &cuda_paths, "Names of the scaled_mm CUDA paths that set_cuda_path accepts.");
+  module.def("set_cuda_path", &set_cuda_path,
+             "Force scaled_mm's CUDA path ('auto', 'cublaslt', 'gemm', 'gemv', 'upconvert', 'generic'); a forced "
+             "path that cannot run a call raises instead of falling back (for tests and benchmarks).");
+  module.def("cuda_path", [] { return std::string(fp8_cuda_path_name(static_cast<fp8_cuda_path>(forced_path.load()))); },
+             "The CUDA path scaled_mm is forced to ('auto' when not forced).");
+  module.def("cuda_last_path", [] { return std::string(fp8_cuda_path_name(last_path)); },
+             "The path the last CUDA scaled_mm on this thread ran ('none' for an empty result).");
+  module.def("cuda_device_path", &cuda_device_path, pybind11::arg("device"),
+             "What the device runs by default: 'fp8' (tensor cores, cc >= 8.9), 'upconvert' (cc >= 8.0) or 'generic'.");
+}
+
+TORCH_LIBRARY_IMPL(fp8linear, CUDA, m) {
+  m.impl("quantize_fp8", &quantize_fp8_cuda);
+  m.impl("scaled_mm", &scaled_mm_cuda);
+}
+
+}  // namespace fp8linear

@@ -1,0 +1,317 @@
+// scaled_mm through cuBLASLt's FP8 GEMM (cc >= 8.9): the fastest path for the shapes
+// it accepts. Row-major out [M, N] is computed as the column-major out^T = W a^T,
+// cuBLASLt's "TN" layout: A = the weight (b = w.t(), K contiguous per output feature,
+// op T), B = the activations (K contiguous per token, op N), D = out^T with ld N.
+//
+// Scales: per-tensor ones go in as the A/B scale pointers (device memory, no sync).
+// Per-row / per-column scales use the outer-vector scale mode (cuBLAS >= 12.9, sm_90
+// only, both operands in that mode: a per-tensor side is broadcast to a vector in the
+// workspace). A bias rides in the epilogue when it has the output's 16-bit dtype.
+// Anything else is left to our GEMM (scaled_mm.cu decides).
+//
+// Cached per device: the handle; per (device, stream): a 32 MiB workspace (a stream
+// must not share one with concurrent work); per problem: the heuristic's algorithm.
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "cuda_kernels.h"
+#include "launch.cuh"
+
+#if CUBLAS_VER_MAJOR > 12 || (CUBLAS_VER_MAJOR == 12 && CUBLAS_VER_MINOR >= 9)
+#define FP8LINEAR_HAS_OUTER_VECTOR_SCALES 1
+#else
+#define FP8LINEAR_HAS_OUTER_VECTOR_SCALES 0
+#endif
+
+namespace fp8cuda {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // what cuBLAS recommends on Hopper
+constexpr int64_t kBroadcastFloats = int64_t(1) << 18;  // a per-tensor scale as an M- or N-vector
+constexpr int kMaxDevices = 64;
+
+const char* status_message(const char* what, cublasStatus_t status) {
+  return error_text("fp8linear CUDA: %s: %s (cuBLAS status %d)", what, cublasLtGetStatusString(status),
+                    static_cast<int>(status));
+}
+
+struct Workspace {
+  void* memory = nullptr;  // kWorkspaceBytes for cuBLASLt, then kBroadcastFloats floats
+  size_t bytes = 0;
+};
+
+struct ProblemKey {
+  int device;
+  int64_t m, n, k, lda, ldb, ldd;
+  int a_format, b_format, out_dtype, bias_dtype, outer_vector;
+  int alignment_a, alignment_b, alignment_d, alignment_bias;
+  size_t workspace_bytes;
+  auto tie() const {
+    return std::tie(device, m, n, k, lda, ldb, ldd, a_format, b_format, out_dtype, bias_dtype, outer_vector,
+                    alignment_a, alignment_b, alignment_d, alignment_bias, workspace_bytes);
+  }
+  bool operator<(const ProblemKey& other) const { return tie() < other.tie(); }
+};
+
+struct CachedAlgorithm {
+  bool found;
+  cublasLtMatmulAlgo_t algorithm;
+};
+
+std::mutex cache_mutex;
+cublasLtHandle_t handles[kMaxDevices];
+std::map<std::pair<int, cudaStream_t>, Workspace> workspaces;
+std::map<ProblemKey, CachedAlgorithm> algorithms;
+// Set once cuBLASLt refuses outer-vector scales on a device, so later calls skip the try.
+bool outer_vector_refused[kMaxDevices];
+
+// The largest power of two (up to 256) that divides the address: cuBLASLt assumes
+// 256-byte alignment unless told, and a sliced tensor may have less.
+int alignment_of(const void* pointer) {
+  int alignment = 256;
+  while (alignment > 1 && !is_aligned(pointer, alignment)) alignment /= 2;
+  return alignment;
+}
+
+cudaDataType_t fp8_type(fp8_format format) { return format == FP8_E4M3FN ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+cudaDataType_t float_type(fp8_float_dtype dtype) {
+  return dtype == FP8_BFLOAT16 ? CUDA_R_16BF : dtype == FP8_FLOAT16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+// The operands' leading dimensions; a single row (column) may have any stride.
+int64_t activation_ld(const fp8_scaled_mm_params* p) { return p->m == 1 ? p->k : p->a_row_stride; }
+int64_t weight_ld(const fp8_scaled_mm_params* p) { return p->n == 1 ? p->k : p->b_col_stride; }
+
+bool wants_outer_vector(const fp8_scaled_mm_params* p) { return p->scale_a_per_row || p->scale_b_per_col; }
+
+__global__ void broadcast_kernel(float* out, const float* value, int64_t count) {
+  const float v = *value;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = v;
+  }
+}
+
+// RAII for the descriptors of one call.
+struct Descriptors {
+  cublasLtMatmulDesc_t matmul = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t preference = nullptr;
+  ~Descriptors() {
+    if (preference) cublasLtMatmulPreferenceDestroy(preference);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (matmul) cublasLtMatmulDescDestroy(matmul);
+  }
+};
+
+}  // namespace
+}  // namespace fp8cuda
+
+using namespace fp8cuda;
+
+const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
+  if (major * 10 + minor < 89) return "cuBLASLt FP8 needs compute capability 8.9 or newer";
+  if (p->a_is_float) return "cuBLASLt FP8 needs fp8 activations (a is a float dtype: weight-only)";
+  if (p->a_format == FP8_E5M2 && p->b_format == FP8_E5M2) return "cuBLASLt has no e5m2 x e5m2 GEMM";
+  if (p->k == 0) return "K = 0 has no products";
+  if (p->out_dtype == FP8_FLOAT32) {
+    // Measured on Ada/Hopper (SageAttention, DeepSeek-V3): the fp8 tensor cores carry
+    // partial sums with 13 mantissa bits between cuBLASLt's float32 promotions, about
+    // 1e-4 relative error at K = 4096: fine for 16-bit outputs, not float32 sums
+    // (scaled_mm.cu sends float32 outputs to our kernels, widened to float16).
+    return "float32 output needs float32 sums; cuBLASLt's FP8 GEMM keeps 13-bit partial sums between promotions";
+  }
+  if ((p->m > 1 && p->a_col_stride != 1) || (p->n > 1 && p->b_row_stride != 1)) {
+    return "cuBLASLt FP8 takes only the TN layout: a row-major [M, K] and b = w.t() of a row-major [N, K] weight";
+  }
+  if (p->k % 16 != 0 || p->n % 16 != 0) return "cuBLASLt FP8 needs K and N to be multiples of 16";
+  if (activation_ld(p) % 16 != 0 || weight_ld(p) % 16 != 0 || p->out_row_stride % 16 != 0) {
+    return "cuBLASLt FP8 needs row strides that are multiples of 16";
+  }
+  if (!is_aligned(p->a, 16) || !is_aligned(p->b, 16) || !is_aligned(p->out, 16)) {
+    return "cuBLASLt FP8 needs 16-byte aligned operands";
+  }
+  if (wants_outer_vector(p)) {
+    if (!FP8LINEAR_HAS_OUTER_VECTOR_SCALES) return "per-row/column scales in cuBLASLt need cuBLAS 12.9 or newer";
+    if (major != 9) return "per-row/column scales in cuBLASLt (outer-vector mode) exist only on sm_90";
+    if ((!p->scale_a_per_row && p->m > kBroadcastFloats) || (!p->scale_b_per_col && p->n > kBroadcastFloats)) {
+      return "too many rows to broadcast a per-tensor scale for cuBLASLt's outer-vector mode";
+    }
+  }
+  if (p->bias != nullptr) {
+    if (p->bias_dtype != p->out_dtype) return "cuBLASLt's FP8 bias epilogue needs a bias of the output dtype";
+    if (!is_aligned(p->bias, 16)) return "cuBLASLt needs a 16-byte aligned bias";
+  }
+  return nullptr;
+}
+
+const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, int major, int minor,
+                                     cudaStream_t stream, int* unsupported) {
+  *unsupported = 0;
+  if (const char* refusal = fp8_cuda_cublaslt_refusal(p, major, minor)) {
+    *unsupported = 1;
+    return refusal;
+  }
+  if (device < 0 || device >= kMaxDevices) return error_text("fp8linear CUDA: device index %d is out of range", device);
+  const bool outer_vector = wants_outer_vector(p);
+
+  cublasLtHandle_t handle;
+  Workspace workspace;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    if (outer_vector && outer_vector_refused[device]) {
+      *unsupported = 1;
+      return "cuBLASLt refused outer-vector (per-row/column) scales on this device";
+    }
+    if (handles[device] == nullptr) {
+      const cublasStatus_t status = cublasLtCreate(&handles[device]);
+      if (status != CUBLAS_STATUS_SUCCESS) {
+        handles[device] = nullptr;
+        return status_message("cublasLtCreate", status);
+      }
+    }
+    handle = handles[device];
+    auto found = workspaces.find({device, stream});
+    if (found != workspaces.end()) {
+      workspace = found->second;
+    } else {
+      // cudaMalloc is not allowed while the stream is being captured into a CUDA graph:
+      // run without a workspace then (cuBLASLt picks algorithms that need none).
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      cudaStreamIsCapturing(stream, &capture);
+      if (capture == cudaStreamCaptureStatusNone) {
+        const size_t bytes = kWorkspaceBytes + kBroadcastFloats * sizeof(float);
+        const cudaError_t error = cudaMalloc(&workspace.memory, bytes);
+        if (error != cudaSuccess) return error_message("allocating the cuBLASLt workspace", error);
+        workspace.bytes = kWorkspaceBytes;
+        workspaces[{device, stream}] = workspace;
+      }
+    }
+  }
+  if (outer_vector && workspace.memory == nullptr) {
+    *unsupported = 1;
+    return "no workspace for broadcasting a per-tensor scale (first call made during graph capture)";
+  }
+
+  // Scales: cuBLASLt's A is our weight (scale_b), its B our activations (scale_a).
+  const float* weight_scale = p->scale_b;
+  const float* activation_scale = p->scale_a;
+  if (outer_vector) {
+    float* broadcast = reinterpret_cast<float*>(static_cast<char*>(workspace.memory) + kWorkspaceBytes);
+    const bool broadcast_weight = !p->scale_b_per_col;
+    const int64_t count = broadcast_weight ? p->n : p->m;
+    if (!p->scale_a_per_row || !p->scale_b_per_col) {
+      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(count, 256), 1024));
+      broadcast_kernel<<<blocks, 256, 0, stream>>>(broadcast, broadcast_weight ? p->scale_b : p->scale_a, count);
+      if (const char* error = check_launch("broadcast_kernel")) return error;
+      (broadcast_weight ? weight_scale : activation_scale) = broadcast;
+    }
+  }
+
+  Descriptors descriptors;
+  cublasStatus_t status = cublasLtMatmulDescCreate(&descriptors.matmul, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  if (status != CUBLAS_STATUS_SUCCESS) return status_message("cublasLtMatmulDescCreate", status);
+  auto set = [&](cublasLtMatmulDescAttributes_t attribute, const void* value, size_t size) {
+    if (status == CUBLAS_STATUS_SUCCESS) status = cublasLtMatmulDescSetAttribute(descriptors.matmul, attribute, value, size);
+  };
+  const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
+  set(CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose);
+  set(CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof no_transpose);
+  set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &weight_scale, sizeof weight_scale);
+  set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &activation_scale, sizeof activation_scale);
+#if FP8LINEAR_HAS_OUTER_VECTOR_SCALES
+  if (outer_vector) {
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode);
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode);
+  }
+#endif
+  // Fast accumulation stays off: Hopper then promotes the fp8 partial sums to full
+  // float32 periodically, which the float32-accumulation contract needs.
+  if (p->bias != nullptr) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bias_type = float_type(p->bias_dtype);
+    set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue);
+    set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias);
+    set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type);
+  }
+  if (status != CUBLAS_STATUS_SUCCESS) return status_message("cublasLtMatmulDescSetAttribute", status);
+
+  const uint64_t m = static_cast<uint64_t>(p->m), n = static_cast<uint64_t>(p->n), k = static_cast<uint64_t>(p->k);
+  status = cublasLtMatrixLayoutCreate(&descriptors.a, fp8_type(p->b_format), k, n, weight_ld(p));
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    status = cublasLtMatrixLayoutCreate(&descriptors.b, fp8_type(p->a_format), k, m, activation_ld(p));
+  }
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    // C is not read (beta = 0) but must be described; it shares D's layout and type.
+    status = cublasLtMatrixLayoutCreate(&descriptors.d, float_type(p->out_dtype), n, m, p->out_row_stride);
+  }
+  if (status != CUBLAS_STATUS_SUCCESS) return status_message("cublasLtMatrixLayoutCreate", status);
+
+  const ProblemKey key{device, p->m, p->n, p->k, activation_ld(p), weight_ld(p), p->out_row_stride,
+                       p->a_format, p->b_format, p->out_dtype, p->bias ? static_cast<int>(p->bias_dtype) : -1,
+                       outer_vector, alignment_of(p->b), alignment_of(p->a), alignment_of(p->out),
+                       p->bias ? alignment_of(p->bias) : 256, workspace.bytes};
+  CachedAlgorithm cached{};
+  bool have_cached = false;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    auto found = algorithms.find(key);
+    if (found != algorithms.end()) {
+      cached = found->second;
+      have_cached = true;
+    }
+  }
+  if (!have_cached) {
+    status = cublasLtMatmulPreferenceCreate(&descriptors.preference);
+    auto prefer = [&](cublasLtMatmulPreferenceAttributes_t attribute, uint32_t value) {
+      if (status == CUBLAS_STATUS_SUCCESS) {
+        status = cublasLtMatmulPreferenceSetAttribute(descriptors.preference, attribute, &value, sizeof value);
+      }
+    };
+    const uint64_t workspace_bytes = workspace.bytes;
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = cublasLtMatmulPreferenceSetAttribute(descriptors.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &workspace_bytes, sizeof workspace_bytes);
+    }
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(key.alignment_a));
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(key.alignment_b));
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(key.alignment_d));
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(key.alignment_d));
+    if (status != CUBLAS_STATUS_SUCCESS) return status_message("cublasLtMatmulPreference", status);
+    cublasLtMatmulHeuristicResult_t result{};
+    int results = 0;
+    status = cublasLtMatmulAlgoGetHeuristic(handle, descriptors.matmul, descriptors.a, descriptors.b, descriptors.d,
+                                            descriptors.d, descriptors.preference, 1, &result, &results);
+    cached.found = status == CUBLAS_STATUS_SUCCESS && results > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+    cached.algorithm = result.algo;
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    algorithms[key] = cached;
+  }
+  if (!cached.found) {
+    *unsupported = 1;
+    return "cuBLASLt has no algorithm for this problem";
+  }
+
+  const float alpha = 1.0f, beta = 0.0f;
+  status = cublasLtMatmul(handle, descriptors.matmul, &alpha, p->b, descriptors.a, p->a, descriptors.b, &beta, p->out,
+                          descriptors.d, p->out, descriptors.d, &cached.algorithm, workspace.memory, workspace.bytes,
+                          stream);
+  if (status == CUBLAS_STATUS_SUCCESS) return nullptr;
+  if (outer_vector && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    // The documented way a device without outer-vector scales says so: remember it.
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    outer_vector_refused[device] = true;
+    *unsupported = 1;
+    return status_message("cublasLtMatmul refused outer-vector scales", status);
+  }
+  return status_message("cublasLtMatmul", status);
+}

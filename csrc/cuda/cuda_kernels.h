@@ -1,0 +1,79 @@
+// The CUDA launchers: the only entry points csrc/bindings/ops_cuda.cpp calls.
+// Torch-free (parameter structs of ../kernels.h, raw device pointers, a stream),
+// so every .cu file compiles and reads without torch.
+//
+// Every launcher enqueues its work on `stream` and returns NULL on success or a
+// message naming what failed (kept in a thread-local buffer until the next call
+// on the same thread). Launch errors are checked after each kernel launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../kernels.h"
+
+// ---- devices ----------------------------------------------------------------
+
+typedef struct {
+  int major, minor;        // compute capability
+  int multiprocessors;
+} fp8_cuda_device_info;
+
+// Properties of `device`, queried once per device and cached.
+const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error);
+
+// ---- quantize_fp8 ---------------------------------------------------------
+// p->q is contiguous [rows, cols]; scales are float32 on the device.
+
+// One scale for the whole tensor, from its amax: no host synchronization.
+// `amax_scratch` is one device word the launcher zeroes; the scale lands in *scale_out.
+const char* fp8_cuda_quantize_tensor_dynamic_launch(const fp8_quantize_params* p, unsigned int* amax_scratch,
+                                                    float* scale_out, int multiprocessors, cudaStream_t stream);
+
+// A given scale: scale[0] for all rows (per_row = 0) or scale[row] (per_row = 1).
+const char* fp8_cuda_quantize_static_launch(const fp8_quantize_params* p, const float* scale, int per_row,
+                                            int multiprocessors, cudaStream_t stream);
+
+// One dynamic scale per row, written to row_scales[row].
+const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales,
+                                                  cudaStream_t stream);
+
+// ---- scaled_mm ----------------------------------------------------------------
+
+// The kernel families; tests force each one. AUTO picks per call (see scaled_mm.cu).
+typedef enum {
+  FP8_CUDA_PATH_AUTO = 0,
+  FP8_CUDA_PATH_CUBLASLT = 1,   // cuBLASLt FP8 (cc >= 8.9, aligned TN shapes)
+  FP8_CUDA_PATH_GEMM = 2,       // our tiled fp8 tensor-core GEMM (cc >= 8.9)
+  FP8_CUDA_PATH_GEMV = 3,       // our skinny fp8 tensor-core kernel for small M (cc >= 8.9)
+  FP8_CUDA_PATH_UPCONVERT = 4,  // fp8 widened to f16/bf16 in registers (cc >= 8.0; also weight-only)
+  FP8_CUDA_PATH_GENERIC = 5,    // SIMT fallback: any strides, any dtype, any GPU
+  FP8_CUDA_PATH_COUNT = 6,
+  FP8_CUDA_PATH_NONE = 7        // nothing to compute (M = 0 or N = 0)
+} fp8_cuda_path;
+
+const char* fp8_cuda_path_name(fp8_cuda_path path);
+
+// Why `path` cannot run this call on a device of capability major.minor, or NULL if it can.
+const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p, int major, int minor);
+
+// out = (a * scale_a) @ (b * scale_b) + bias on `path` (AUTO: the best one that can
+// run it). *used receives the path that ran. A forced path that cannot run the call
+// is an error, never a silent fallback.
+const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device,
+                                      cudaStream_t stream, fp8_cuda_path* used);
+
+// The kernel families, called by fp8_cuda_scaled_mm_launch once it has chosen.
+// Preconditions: M, N > 0; the family's refusal above is NULL.
+const char* fp8_cuda_gemv_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream);
+const char* fp8_cuda_gemm_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream);
+const char* fp8_cuda_generic_launch(const fp8_scaled_mm_params* p, cudaStream_t stream);
+
+// cuBLASLt: *unsupported is set (and NULL returned) when cuBLASLt declines this
+// problem at run time (no algorithm, or a scale mode this device lacks), so that
+// AUTO can fall back to our GEMM.
+const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, int major, int minor,
+                                     cudaStream_t stream, int* unsupported);
+// Whether cuBLASLt can take this problem's shapes, strides, dtypes and scales, or why not.
+const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, int minor);

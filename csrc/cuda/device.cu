@@ -1,0 +1,62 @@
+// Per-device properties (queried once) and the launchers' error messages.
+#include <stdarg.h>
+#include <stdio.h>
+
+#include <mutex>
+
+#include "cuda_kernels.h"
+#include "launch.cuh"
+
+namespace fp8cuda {
+namespace {
+
+thread_local char message_buffer[512];
+
+}  // namespace
+
+const char* error_message(const char* what, cudaError_t error) {
+  snprintf(message_buffer, sizeof message_buffer, "fp8linear CUDA: %s: %s (%s)", what, cudaGetErrorString(error),
+           cudaGetErrorName(error));
+  return message_buffer;
+}
+
+const char* error_text(const char* format, ...) {
+  va_list arguments;
+  va_start(arguments, format);
+  vsnprintf(message_buffer, sizeof message_buffer, format, arguments);
+  va_end(arguments);
+  return message_buffer;
+}
+
+}  // namespace fp8cuda
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+fp8_cuda_device_info device_infos[kMaxDevices];
+std::once_flag device_once[kMaxDevices];
+cudaError_t device_errors[kMaxDevices];
+
+}  // namespace
+
+const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error) {
+  if (device < 0 || device >= kMaxDevices) {
+    *error = fp8cuda::error_text("fp8linear CUDA: device index %d is out of range", device);
+    return nullptr;
+  }
+  std::call_once(device_once[device], [device] {
+    fp8_cuda_device_info& info = device_infos[device];
+    cudaError_t status = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (status == cudaSuccess) status = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (status == cudaSuccess) {
+      status = cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    }
+    device_errors[device] = status;
+  });
+  if (device_errors[device] != cudaSuccess) {
+    *error = fp8cuda::error_message("querying the device's properties", device_errors[device]);
+    return nullptr;
+  }
+  *error = nullptr;
+  return &device_infos[device];
+}

@@ -1,0 +1,192 @@
+// Tiled scaled_mm on tensor cores for what cuBLASLt cannot take: K or N not a
+// multiple of 16 (rows at any byte alignment, no padded copies), e5m2 x e5m2, scales
+// or bias cuBLASLt lacks, and every GPU from sm_80 (the up-conversion path).
+//
+// A block computes a kBlockM x 128 tile of out, 8 warps as 2 x 4 (warp tile
+// kBlockM/2 x 32). K advances in 64-element slices staged through registers into
+// double-buffered shared memory: the next slice's global loads are in flight while the
+// tensor cores work on the current one, with one barrier per slice. The loader
+// (mma.cuh) reads unaligned rows with 4-byte loads and funnel shifts, so unaligned K
+// costs extra load instructions but no extra DRAM traffic.
+//
+// Per 64-slice and warp: 32 fp8 mma.sync (kBlockM = 128), 128 FADDs that keep the
+// sums in float32 (mma.cuh), 12 shared-memory 16-byte loads; 16 KB of operands per
+// block for 2 * 128 * 128 * 64 FLOPs (128 FLOP per byte of L2 traffic), so it is
+// compute-bound from M ~ 128. mma.sync reaches a fraction of Hopper's wgmma peak:
+// aligned shapes go to cuBLASLt; this kernel's job is to make unaligned ones work at
+// tensor-core speed without padded copies.
+#include "cuda_kernels.h"
+#include "launch.cuh"
+#include "mma.cuh"
+
+namespace fp8cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockN = 128;
+
+template <class ActivationKind>
+struct TileShape {
+  // 16-bit activations (weight-only) take twice the bytes per row; 64 rows keep the
+  // double-buffered tiles within the 48 KB of static shared memory.
+  static constexpr int kBlockM = ActivationKind::kBytes == 2 ? 64 : 128;
+  static constexpr int kWarpTilesM = kBlockM / 2 / 16;  // m16 tiles per warp
+  static constexpr int kWarpTilesN = 4;                 // n8 tiles per warp (32 columns)
+  // Row pitches in bytes. A 16-byte shared load by lanes (groupID g, t) reads row g at
+  // byte 16t (fp8) or 32t (16-bit); eight lanes of a quarter-warp touch rows g, g + 1.
+  // 64-byte fp8 rows put those in one contiguous 128 bytes; 128-byte rows need 16 bytes
+  // of padding so that rows g and g + 1 fall into different banks.
+  static constexpr int kActivationPitch = kSliceElements * ActivationKind::kBytes + (ActivationKind::kBytes == 2 ? 16 : 0);
+  static constexpr int kWeightPitch = kSliceElements;
+  static constexpr int kActivationPieces = kBlockM * kSliceElements * ActivationKind::kBytes / 16 / kThreads;
+  static constexpr int kWeightPieces = kBlockN * kSliceElements / 16 / kThreads;
+};
+
+template <class ActivationKind, class WeightKind, bool kWiden>
+__global__ void __launch_bounds__(kThreads)
+    gemm_kernel(fp8_scaled_mm_params p, bool activation_aligned, bool weight_aligned) {
+  using Shape = TileShape<ActivationKind>;
+  constexpr int kBlockM = Shape::kBlockM;
+  constexpr int kPiecesPerActivationRow = kSliceElements * ActivationKind::kBytes / 16;
+  constexpr int kPiecesPerWeightRow = kSliceElements / 16;
+  __shared__ __align__(16) uint8_t activation_tile[2][kBlockM * Shape::kActivationPitch];
+  __shared__ __align__(16) uint8_t weight_tile[2][kBlockN * Shape::kWeightPitch];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4, thread_in_group = lane % 4;
+  const int warp_m = warp / 4, warp_n = warp % 4;
+  const int64_t m0 = blockIdx.y * static_cast<int64_t>(kBlockM), n0 = blockIdx.x * static_cast<int64_t>(kBlockN);
+  const uint8_t* activation = static_cast<const uint8_t*>(p.a);
+  const int64_t activation_row_bytes = p.k * ActivationKind::kBytes;
+
+  // Global -> registers: piece i of this thread is tile row (threadIdx.x + i * 256) / pieces-per-row.
+  uint4 activation_stage[Shape::kActivationPieces], weight_stage[Shape::kWeightPieces];
+  auto load_stage = [&](int64_t slice) {
+#pragma unroll
+    for (int i = 0; i < Shape::kActivationPieces; ++i) {
+      const int piece = threadIdx.x + i * kThreads;
+      const int64_t m = m0 + piece / kPiecesPerActivationRow;
+      const int64_t offset = slice * kSliceElements * ActivationKind::kBytes + (piece % kPiecesPerActivationRow) * 16;
+      activation_stage[i] = m < p.m ? load_row_bytes<false>(activation + m * p.a_row_stride * ActivationKind::kBytes,
+                                                            offset, activation_row_bytes, activation_aligned)
+                                    : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < Shape::kWeightPieces; ++i) {
+      const int piece = threadIdx.x + i * kThreads;
+      const int64_t n = n0 + piece / kPiecesPerWeightRow;
+      const int64_t offset = slice * kSliceElements + (piece % kPiecesPerWeightRow) * 16;
+      weight_stage[i] = n < p.n ? load_row_bytes<false>(p.b + n * p.b_col_stride, offset, p.k, weight_aligned)
+                                : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store_stage = [&](int buffer) {
+#pragma unroll
+    for (int i = 0; i < Shape::kActivationPieces; ++i) {
+      const int piece = threadIdx.x + i * kThreads;
+      *reinterpret_cast<uint4*>(&activation_tile[buffer][(piece / kPiecesPerActivationRow) * Shape::kActivationPitch +
+                                                         (piece % kPiecesPerActivationRow) * 16]) = activation_stage[i];
+    }
+#pragma unroll
+    for (int i = 0; i < Shape::kWeightPieces; ++i) {
+      const int piece = threadIdx.x + i * kThreads;
+      *reinterpret_cast<uint4*>(&weight_tile[buffer][(piece / kPiecesPerWeightRow) * Shape::kWeightPitch +
+                                                     (piece % kPiecesPerWeightRow) * 16]) = weight_stage[i];
+    }
+  };
+  auto read_slice = [&](auto& slice, const uint8_t* tile_row) {
+    constexpr int kBytes = sizeof(slice.word) / 16;
+#pragma unroll
+    for (int part = 0; part < kBytes; ++part) {
+      const uint4 piece = *reinterpret_cast<const uint4*>(tile_row + (16 * thread_in_group * kBytes) + 16 * part);
+      slice.word[4 * part + 0] = piece.x;
+      slice.word[4 * part + 1] = piece.y;
+      slice.word[4 * part + 2] = piece.z;
+      slice.word[4 * part + 3] = piece.w;
+    }
+  };
+
+  float acc[Shape::kWarpTilesM][Shape::kWarpTilesN][4] = {};
+  const int64_t slices = ceil_div(p.k, kSliceElements);
+  if (slices > 0) {
+    load_stage(0);
+    store_stage(0);
+  }
+  __syncthreads();
+  for (int64_t slice = 0; slice < slices; ++slice) {
+    const int buffer = static_cast<int>(slice & 1);
+    const bool has_next = slice + 1 < slices;
+    if (has_next) load_stage(slice + 1);
+
+    Slice<ActivationKind> lo[Shape::kWarpTilesM], hi[Shape::kWarpTilesM];
+    Slice<WeightKind> columns[Shape::kWarpTilesN];
+#pragma unroll
+    for (int i = 0; i < Shape::kWarpTilesM; ++i) {
+      const int row = warp_m * (kBlockM / 2) + 16 * i + group;
+      read_slice(lo[i], &activation_tile[buffer][row * Shape::kActivationPitch]);
+      read_slice(hi[i], &activation_tile[buffer][(row + 8) * Shape::kActivationPitch]);
+    }
+#pragma unroll
+    for (int j = 0; j < Shape::kWarpTilesN; ++j) {
+      read_slice(columns[j], &weight_tile[buffer][(warp_n * 32 + 8 * j + group) * Shape::kWeightPitch]);
+    }
+    mma_slice<ActivationKind, WeightKind, kWiden>(acc, lo, hi, columns);
+
+    // The other buffer was last read in the previous iteration, before its barrier.
+    if (has_next) store_stage(buffer ^ 1);
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < Shape::kWarpTilesM; ++i) {
+#pragma unroll
+    for (int j = 0; j < Shape::kWarpTilesN; ++j) {
+      const int64_t m = m0 + warp_m * (kBlockM / 2) + 16 * i + group;
+      const int64_t n = n0 + warp_n * 32 + 8 * j + 2 * thread_in_group;
+      store_result(p, m, n, acc[i][j][0]);
+      store_result(p, m, n + 1, acc[i][j][1]);
+      store_result(p, m + 8, n, acc[i][j][2]);
+      store_result(p, m + 8, n + 1, acc[i][j][3]);
+    }
+  }
+}
+
+template <class ActivationKind, class WeightKind, bool kWiden>
+const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream) {
+  const int64_t activation_bytes = ActivationKind::kBytes;
+  const bool activation_aligned = is_aligned(p->a, 16) && (p->a_row_stride * activation_bytes) % 16 == 0 &&
+                                  (p->k * activation_bytes) % 16 == 0;
+  const bool weight_aligned = is_aligned(p->b, 16) && p->b_col_stride % 16 == 0 && p->k % 16 == 0;
+  const int64_t blocks_m = ceil_div(p->m, TileShape<ActivationKind>::kBlockM), blocks_n = ceil_div(p->n, kBlockN);
+  if (blocks_m > 65535 || blocks_n > 0x7FFFFFFF) {
+    return error_text("fp8linear CUDA: gemm grid too large for M = %lld, N = %lld", static_cast<long long>(p->m),
+                      static_cast<long long>(p->n));
+  }
+  const dim3 grid(static_cast<unsigned>(blocks_n), static_cast<unsigned>(blocks_m));
+  gemm_kernel<ActivationKind, WeightKind, kWiden><<<grid, kThreads, 0, stream>>>(*p, activation_aligned, weight_aligned);
+  return check_launch(kWiden ? "gemm_kernel (widening)" : "gemm_kernel (fp8 tensor cores)");
+}
+
+template <class WeightKind>
+const char* launch_with_weight_kind(const fp8_scaled_mm_params* p, bool widen, cudaStream_t stream) {
+  if (p->a_is_float) {
+    if (p->a_float_dtype == FP8_BFLOAT16) return launch_with_kinds<KindBF16, WeightKind, true>(p, stream);
+    return launch_with_kinds<KindF16, WeightKind, true>(p, stream);
+  }
+  if (p->a_format == FP8_E4M3FN) {
+    return widen ? launch_with_kinds<KindE4M3, WeightKind, true>(p, stream)
+                 : launch_with_kinds<KindE4M3, WeightKind, false>(p, stream);
+  }
+  return widen ? launch_with_kinds<KindE5M2, WeightKind, true>(p, stream)
+               : launch_with_kinds<KindE5M2, WeightKind, false>(p, stream);
+}
+
+}  // namespace
+}  // namespace fp8cuda
+
+const char* fp8_cuda_gemm_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream) {
+  using namespace fp8cuda;
+  return p->b_format == FP8_E4M3FN ? launch_with_weight_kind<KindE4M3>(p, widen != 0, stream)
+                                   : launch_with_weight_kind<KindE5M2>(p, widen != 0, stream);
+}

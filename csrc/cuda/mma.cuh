@@ -1,0 +1,254 @@
+// Tensor-core building blocks shared by gemv.cu and gemm.cu: operand kinds, the
+// 16-byte row loader (any alignment, zero past the end of a row), mma.sync wrappers,
+// and the warp-level product of one 64-element slice of k.
+//
+// The k-permutation used throughout: in each 64-element slice of k, the thread with
+// threadID_in_group t (lane % 4) holds the 16 consecutive elements [16t, 16t + 16)
+// of its rows and columns, one 16-byte load each. An mma's k index need not be the
+// memory's k index: a dot product is the same in any order, provided both operands
+// use the same mapping. Both take their fragment registers from those 16 elements in
+// the same order, so each thread loads whole 16-byte pieces and never shuffles bytes.
+#pragma once
+
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "fp8_device.cuh"
+
+namespace fp8cuda {
+
+// What one k-element of an operand is in memory.
+struct KindE4M3 {
+  static constexpr int kBytes = 1;
+  static constexpr fp8_format kFormat = FP8_E4M3FN;
+};
+struct KindE5M2 {
+  static constexpr int kBytes = 1;
+  static constexpr fp8_format kFormat = FP8_E5M2;
+};
+struct KindBF16 {
+  static constexpr int kBytes = 2;
+};
+struct KindF16 {
+  static constexpr int kBytes = 2;
+};
+
+constexpr int kSliceElements = 64;  // k-elements per slice: 16 per thread of a quad
+
+// A thread's 16 consecutive k-elements of one row: 16 bytes (fp8) or 32 (16-bit).
+template <class Kind>
+struct Slice {
+  uint32_t word[4 * Kind::kBytes];
+};
+
+template <class Kind>
+__device__ __forceinline__ void clear(Slice<Kind>& slice) {
+#pragma unroll
+  for (int i = 0; i < 4 * Kind::kBytes; ++i) slice.word[i] = 0;
+}
+
+// 16 bytes at row + offset. `aligned`: the row and offset are 16-byte aligned and
+// row_bytes is a multiple of 16, so a piece is wholly inside or wholly past the row.
+// Otherwise the piece is assembled from the aligned 4-byte words that hold at least
+// one byte of the row (those lie inside its allocation) with funnel shifts, and the
+// bytes at or past row_bytes read as zero: the other operand's padding is zero too,
+// but a garbage NaN code times zero would still be NaN.
+template <bool kStream>
+__device__ __forceinline__ uint4 load_row_bytes(const uint8_t* row, int64_t offset, int64_t row_bytes, bool aligned) {
+  const int64_t valid = row_bytes - offset;
+  if (valid <= 0) return make_uint4(0, 0, 0, 0);
+  const uint8_t* start = row + offset;
+  if (aligned) {
+    const uint4* piece = reinterpret_cast<const uint4*>(start);
+    return kStream ? __ldcs(piece) : __ldg(piece);
+  }
+  const int misalignment = static_cast<int>(reinterpret_cast<uintptr_t>(start) & 3u);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(start - misalignment);
+  uint32_t w[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) {
+    const bool needed = i < 4 || misalignment != 0;
+    w[i] = needed && 4 * i - misalignment < valid ? __ldg(words + i) : 0u;
+  }
+  uint32_t out[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    out[q] = __funnelshift_r(w[q], w[q + 1], 8 * misalignment);
+    const int64_t bytes_left = valid - 4 * q;
+    if (bytes_left < 4) out[q] &= bytes_left <= 0 ? 0u : (1u << (8 * bytes_left)) - 1u;
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Elements [element_offset, element_offset + 16) of a row of `row_elements` elements.
+template <class Kind, bool kStream>
+__device__ __forceinline__ void load_slice(Slice<Kind>& slice, const uint8_t* row, int64_t element_offset,
+                                           int64_t row_elements, bool aligned) {
+#pragma unroll
+  for (int part = 0; part < Kind::kBytes; ++part) {
+    const uint4 piece = load_row_bytes<kStream>(row, (element_offset + 8 * part) * Kind::kBytes,
+                                                row_elements * Kind::kBytes, aligned);
+    slice.word[4 * part + 0] = piece.x;
+    slice.word[4 * part + 1] = piece.y;
+    slice.word[4 * part + 2] = piece.z;
+    slice.word[4 * part + 3] = piece.w;
+  }
+}
+
+// ---- mma.sync wrappers -------------------------------------------------------
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32 / m16n8k16"): A regs 0 and 2
+// hold row groupID, regs 1 and 3 row groupID + 8; B regs hold column groupID; A reg 0
+// and B reg 0 cover the same k set, as do A reg 2 and B reg 1. C: c0,c1 row groupID,
+// columns 2t, 2t+1; c2,c3 row groupID + 8.
+//
+// Each wrapper returns a fresh product (C = 0) that the caller adds to float32
+// registers. Why not accumulate in the tensor core: the fp8 mma of Ada and Hopper
+// carries its C input with 13 mantissa bits (measured by SageAttention and DeepSeek;
+// cuBLASLt and DeepGEMM "promote" to float32 every few instructions for the same
+// reason), which over K = 4096 costs ~3e-3 relative error; promoting every
+// instruction leaves only the instruction's own rounding (float32 outputs still take
+// the 16-bit path, see scaled_mm.cu). The extra FADDs are free in the memory-bound
+// GEMV. The 16-bit mma accumulates with truncation; it gets the same treatment.
+
+#define FP8LINEAR_MMA_FP8(A_TYPE, B_TYPE)                                                                      \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." A_TYPE "." B_TYPE                                      \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"                             \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f))
+
+// d = a x b for an m16n8k32 tile of fp8 operands.
+template <fp8_format kA, fp8_format kB>
+__device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if FP8LINEAR_HARDWARE_FP8
+  if constexpr (kA == FP8_E4M3FN && kB == FP8_E4M3FN) {
+    FP8LINEAR_MMA_FP8("e4m3", "e4m3");
+  } else if constexpr (kA == FP8_E4M3FN && kB == FP8_E5M2) {
+    FP8LINEAR_MMA_FP8("e4m3", "e5m2");
+  } else if constexpr (kA == FP8_E5M2 && kB == FP8_E4M3FN) {
+    FP8LINEAR_MMA_FP8("e5m2", "e4m3");
+  } else {
+    FP8LINEAR_MMA_FP8("e5m2", "e5m2");
+  }
+#else
+  // fp8 tensor cores start at sm_89; the launchers never choose this kernel below it.
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  __trap();
+#endif
+}
+
+#undef FP8LINEAR_MMA_FP8
+
+// d = a x b for an m16n8k16 tile of float16 or bfloat16 operands.
+template <class Compute>
+__device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<Compute, KindBF16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+  }
+#else
+  // bf16/f16 mma.sync m16n8k16 starts at sm_80; the launchers route older GPUs elsewhere.
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void add_product(float (&acc)[4], const float (&product)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) acc[r] += product[r];
+}
+
+// The 16-bit type fp8 operands are widened to: bfloat16 when the other operand is
+// bfloat16 (weight-only with bfloat16 activations), float16 otherwise. Both hold every
+// fp8 value exactly, so the products stay exact and the sums float32.
+template <class RowKind, class ColumnKind>
+using WidenedKind = typename std::conditional<std::is_same<RowKind, KindBF16>::value ||
+                                                  std::is_same<ColumnKind, KindBF16>::value,
+                                              KindBF16, KindF16>::type;
+
+// Elements 2p and 2p + 1 of a slice as a packed pair of Compute values.
+template <class Compute, class Kind>
+__device__ __forceinline__ uint32_t pair_as(const Slice<Kind>& slice, int p) {
+  if constexpr (Kind::kBytes == 2) {
+    static_assert(std::is_same<Kind, Compute>::value, "16-bit operands are used as they are");
+    return slice.word[p];
+  } else {
+    const uint32_t codes = slice.word[p / 2] >> (16 * (p % 2));
+    if constexpr (std::is_same<Compute, KindBF16>::value) {
+      return widen_fp8x2_to_bf16x2<Kind::kFormat>(codes);
+    } else {
+      return widen_fp8x2_to_f16x2<Kind::kFormat>(codes);
+    }
+  }
+}
+
+// acc[i][j] += rows(16i.., k slice) x columns(8j.., k slice) for one 64-element slice of
+// k. `lo[i]` / `hi[i]` are this thread's elements of row-tile i's rows groupID and
+// groupID + 8, `column[j]` of column-tile j's column groupID. kWiden: both operands
+// through 16-bit mma (sm_80+); otherwise both are fp8 and use the fp8 mma (sm_89+).
+template <class RowKind, class ColumnKind, bool kWiden, int kRowTiles, int kColumnTiles>
+__device__ __forceinline__ void mma_slice(float (&acc)[kRowTiles][kColumnTiles][4], const Slice<RowKind> (&lo)[kRowTiles],
+                                          const Slice<RowKind> (&hi)[kRowTiles],
+                                          const Slice<ColumnKind> (&column)[kColumnTiles]) {
+  if constexpr (!kWiden) {
+    static_assert(RowKind::kBytes == 1 && ColumnKind::kBytes == 1, "the fp8 mma takes fp8 operands");
+    // Two k32 steps: step s uses bytes [8s, 8s + 8) of each thread's 16.
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int i = 0; i < kRowTiles; ++i) {
+        const uint32_t a[4] = {lo[i].word[2 * s], hi[i].word[2 * s], lo[i].word[2 * s + 1], hi[i].word[2 * s + 1]};
+#pragma unroll
+        for (int j = 0; j < kColumnTiles; ++j) {
+          const uint32_t b[2] = {column[j].word[2 * s], column[j].word[2 * s + 1]};
+          float product[4];
+          mma_fp8<RowKind::kFormat, ColumnKind::kFormat>(product, a, b);
+          add_product(acc[i][j], product);
+        }
+      }
+    }
+  } else {
+    using Compute = WidenedKind<RowKind, ColumnKind>;
+    // Four k16 steps: step s uses elements [4s, 4s + 4), as pairs 2s and 2s + 1. Each
+    // operand is widened once per step, not once per tile it meets.
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t b[kColumnTiles][2];
+#pragma unroll
+      for (int j = 0; j < kColumnTiles; ++j) {
+        b[j][0] = pair_as<Compute>(column[j], 2 * s);
+        b[j][1] = pair_as<Compute>(column[j], 2 * s + 1);
+      }
+#pragma unroll
+      for (int i = 0; i < kRowTiles; ++i) {
+        const uint32_t a[4] = {pair_as<Compute>(lo[i], 2 * s), pair_as<Compute>(hi[i], 2 * s),
+                               pair_as<Compute>(lo[i], 2 * s + 1), pair_as<Compute>(hi[i], 2 * s + 1)};
+#pragma unroll
+        for (int j = 0; j < kColumnTiles; ++j) {
+          float product[4];
+          mma_16bit<Compute>(product, a, b[j]);
+          add_product(acc[i][j], product);
+        }
+      }
+    }
+  }
+}
+
+// out[m, n] = acc * scale_a[m] * scale_b[n] + bias[n], rounded once to the output dtype.
+__device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int64_t m, int64_t n, float acc) {
+  if (m >= p.m || n >= p.n) return;
+  const float scale = __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
+  float value = acc * scale;
+  if (p.bias != nullptr) value += load_float(p.bias, p.bias_dtype, n);
+  store_float(p.out, p.out_dtype, m * p.out_row_stride + n, value);
+}
+
+}  // namespace fp8cuda

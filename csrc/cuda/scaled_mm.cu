@@ -1,0 +1,138 @@
+// Which kernel family computes a scaled_mm call, and the launch. Host code only.
+//
+// AUTO, for fp8 activations on cc >= 8.9 with K-contiguous operands:
+//   M <= 16                      -> gemv (the weight streamed once; cuBLASLt pads M)
+//   cuBLASLt accepts the problem -> cublaslt
+//   M <= 64                      -> gemv (skinny: 16-feature blocks keep the GPU busy)
+//   otherwise                    -> gemm
+// below cc 8.9, or 16-bit activations (weight-only) -> upconvert (widening gemv/gemm);
+// float32 activations, other strides, K = 0, GPUs below sm_80 -> generic.
+//
+// float32 outputs: our gemm/gemv widen fp8 to float16 for the tensor cores (exact
+// products, float32 sums) instead of using the fp8 mma, and cuBLASLt is not used. The
+// fp8 tensor cores of Ada/Hopper keep partial sums with 13 mantissa bits (reports
+// disagree on whether products within one instruction are also truncated): within
+// the 1e-2 of 16-bit outputs, not the 1e-5 of float32 sums.
+#include <string>
+
+#include "cuda_kernels.h"
+#include "launch.cuh"
+
+namespace {
+
+constexpr int64_t kGemvMaxTokens = 16;
+constexpr int64_t kSkinnyMaxTokens = 64;
+
+int capability(int major, int minor) { return major * 10 + minor; }
+
+// Our tensor-core kernels read 16 consecutive k-elements of each row of a and of each
+// column of b (a row of the [N, K] weight).
+bool k_contiguous(const fp8_scaled_mm_params* p) {
+  return p->k <= 1 || (p->a_col_stride == 1 && p->b_row_stride == 1);
+}
+
+const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
+  if (capability(major, minor) < 89) return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
+  if (p->a_is_float) return "a is a float dtype (weight-only): fp8 tensor cores need fp8 activations (use 'upconvert')";
+  if (!k_contiguous(p)) return "needs K-contiguous operands: a row-major [M, K] and b = w.t() of a row-major [N, K]";
+  return nullptr;
+}
+
+const char* upconvert_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
+  if (capability(major, minor) < 80) return "16-bit tensor cores (mma.sync m16n8k16) need compute capability 8.0 or newer";
+  if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
+    return "float32 activations would be rounded by a 16-bit multiply (the 'generic' path takes them)";
+  }
+  if (!k_contiguous(p)) return "needs K-contiguous operands: a row-major [M, K] and b = w.t() of a row-major [N, K]";
+  return nullptr;
+}
+
+const char* run(fp8_cuda_path path, const fp8_scaled_mm_params* p, int device, const fp8_cuda_device_info* info,
+                cudaStream_t stream, int* unsupported) {
+  *unsupported = 0;
+  const bool skinny = p->m <= kSkinnyMaxTokens;
+  const int widen_for_float32_sums = p->out_dtype == FP8_FLOAT32;
+  switch (path) {
+    case FP8_CUDA_PATH_CUBLASLT:
+      return fp8_cuda_cublaslt_launch(p, device, info->major, info->minor, stream, unsupported);
+    case FP8_CUDA_PATH_GEMM:
+      return fp8_cuda_gemm_launch(p, widen_for_float32_sums, stream);
+    case FP8_CUDA_PATH_GEMV:
+      return fp8_cuda_gemv_launch(p, widen_for_float32_sums, stream);
+    case FP8_CUDA_PATH_UPCONVERT:
+      return skinny ? fp8_cuda_gemv_launch(p, 1, stream) : fp8_cuda_gemm_launch(p, 1, stream);
+    default:
+      return fp8_cuda_generic_launch(p, stream);
+  }
+}
+
+fp8_cuda_path auto_path(const fp8_scaled_mm_params* p, int major, int minor) {
+  if (fp8_tensor_core_refusal(p, major, minor) == nullptr) {
+    if (p->m <= kGemvMaxTokens) return FP8_CUDA_PATH_GEMV;
+    if (fp8_cuda_cublaslt_refusal(p, major, minor) == nullptr) return FP8_CUDA_PATH_CUBLASLT;
+    return p->m <= kSkinnyMaxTokens ? FP8_CUDA_PATH_GEMV : FP8_CUDA_PATH_GEMM;
+  }
+  if (upconvert_refusal(p, major, minor) == nullptr) return FP8_CUDA_PATH_UPCONVERT;
+  return FP8_CUDA_PATH_GENERIC;
+}
+
+}  // namespace
+
+const char* fp8_cuda_path_name(fp8_cuda_path path) {
+  switch (path) {
+    case FP8_CUDA_PATH_AUTO: return "auto";
+    case FP8_CUDA_PATH_CUBLASLT: return "cublaslt";
+    case FP8_CUDA_PATH_GEMM: return "gemm";
+    case FP8_CUDA_PATH_GEMV: return "gemv";
+    case FP8_CUDA_PATH_UPCONVERT: return "upconvert";
+    case FP8_CUDA_PATH_GENERIC: return "generic";
+    case FP8_CUDA_PATH_NONE: return "none";
+    default: return "unknown";
+  }
+}
+
+const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p, int major, int minor) {
+  switch (path) {
+    case FP8_CUDA_PATH_CUBLASLT: return fp8_cuda_cublaslt_refusal(p, major, minor);
+    case FP8_CUDA_PATH_GEMM:
+    case FP8_CUDA_PATH_GEMV: return fp8_tensor_core_refusal(p, major, minor);
+    case FP8_CUDA_PATH_UPCONVERT: return upconvert_refusal(p, major, minor);
+    default: return nullptr;
+  }
+}
+
+const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device,
+                                      cudaStream_t stream, fp8_cuda_path* used) {
+  *used = FP8_CUDA_PATH_NONE;
+  if (p->m == 0 || p->n == 0) return nullptr;
+  const char* error = nullptr;
+  const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
+  if (info == nullptr) return error;
+  int unsupported = 0;
+  if (p->k == 0) {
+    // No products: every path's answer is the bias (or zeros); the generic kernel writes it.
+    *used = FP8_CUDA_PATH_GENERIC;
+    return fp8_cuda_generic_launch(p, stream);
+  }
+  if (path == FP8_CUDA_PATH_AUTO) {
+    const fp8_cuda_path chosen = auto_path(p, info->major, info->minor);
+    *used = chosen;
+    error = run(chosen, p, device, info, stream, &unsupported);
+    if (!unsupported) return error;
+    // cuBLASLt declined at run time (no algorithm, or no outer-vector scales here).
+    *used = p->m <= kSkinnyMaxTokens ? FP8_CUDA_PATH_GEMV : FP8_CUDA_PATH_GEMM;
+    return run(*used, p, device, info, stream, &unsupported);
+  }
+  if (const char* refusal = fp8_cuda_path_refusal(path, p, info->major, info->minor)) {
+    return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
+                               fp8_cuda_path_name(path), info->major, info->minor, refusal);
+  }
+  *used = path;
+  error = run(path, p, device, info, stream, &unsupported);
+  if (unsupported) {
+    const std::string reason = error;  // error_text reuses the buffer `error` points into
+    return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call: %s", fp8_cuda_path_name(path),
+                               reason.c_str());
+  }
+  return error;
+}
