@@ -1,4 +1,5 @@
-"""Command line: ``python -m fp8linear demo [--model DIR]``."""
+"""Command line: ``python -m fp8linear demo [--model DIR]``,
+``python -m fp8linear quantize MODEL_DIR OUT_DIR [--scheme ...] [--calibration-text FILE]``."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,50 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from .quantize_checkpoint import quantize_checkpoint
+
+    try:
+        text = None
+        if args.calibration_text is not None:
+            text = pathlib.Path(args.calibration_text).read_text(encoding="utf-8")
+        result = quantize_checkpoint(args.model_dir, args.out_dir, scheme=args.scheme, skip_modules=args.skip,
+                                     calibration_text=text, calibration_samples=args.calibration_samples,
+                                     sequence_length=args.sequence_length,
+                                     progress=False if args.no_progress else None)
+    except (ValueError, OSError) as error:  # a wrong directory or option: the message says which
+        print(f"python -m fp8linear quantize: error: {error}", file=sys.stderr)
+        return 2
+    print(result)
+    return 0
+
+
+def _add_quantize_command(commands) -> None:
+    from .convert import SCHEMES
+
+    quantize = commands.add_parser(
+        "quantize", help="convert a transformers safetensors checkpoint to an FP8 checkpoint, one shard at a time",
+        description="Write an FP8 (compressed-tensors) checkpoint that vLLM, transformers and "
+                    "fp8linear.load_quantized load. Shards are converted one at a time, so memory "
+                    "stays near the largest shard.")
+    quantize.add_argument("model_dir", help="a transformers model directory (config.json + safetensors)")
+    quantize.add_argument("out_dir", help="where to write the FP8 checkpoint")
+    quantize.add_argument("--scheme", choices=list(SCHEMES), default="per-channel",
+                          help="per-tensor: one scale per weight and per activation tensor; per-channel (default): "
+                               "per-channel weights, per-token activations; static: per-tensor scales with "
+                               "activation scales calibrated on --calibration-text; weight-only: fp8 weights only")
+    quantize.add_argument("--calibration-text", metavar="FILE", default=None,
+                          help="a UTF-8 text file to calibrate the static scheme's activation scales on")
+    quantize.add_argument("--calibration-samples", type=int, default=16, help="sequences of the text to use (16)")
+    quantize.add_argument("--sequence-length", type=int, default=512, help="tokens per calibration sequence (512)")
+    quantize.add_argument("--skip", nargs="*", default=["lm_head"], metavar="NAME",
+                          help="linear layers to keep in full precision (default: lm_head)")
+    quantize.add_argument("--no-progress", action="store_true", help="no progress bars")
+    quantize.set_defaults(run=_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fp8linear", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -23,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     demo.set_defaults(run=_demo)
+    _add_quantize_command(commands)
     return parser
 
 

@@ -7,15 +7,29 @@ from typing import Callable
 
 from torch import nn
 
+from ._progress import progress_bar
 from .linear import FP8Config, FP8Linear
 from .ops import FLOAT_DTYPES
 
-__all__ = ["quantize_model", "QUANTIZATIONS", "ConversionReport"]
+__all__ = ["quantize_model", "QUANTIZATIONS", "SCHEMES", "ConversionReport"]
 
 logger = logging.getLogger("fp8linear")
 
 #: The values of ``quantization=`` and what each means.
 QUANTIZATIONS = {"fp8": "FP8Linear layers (fp8 weights; activations as the options say)"}
+
+#: Named FP8Config options, as the command line and the quality benchmark offer them:
+#: ``quantize_model(model, "fp8", **SCHEMES["per-channel"])``.
+SCHEMES = {
+    # one scale per weight tensor and per activation tensor: what every FP8 kernel runs
+    "per-tensor": {},
+    # a scale per output channel and per token: the best quality (llm-compressor's FP8_DYNAMIC)
+    "per-channel": {"weight_granularity": "channel", "activation_granularity": "token"},
+    # per-tensor activation scales calibrated once (fp8linear.calibrate): no amax per call
+    "static": {"activations": "static"},
+    # fp8 weights, activations left in their precision: half the weight memory, no activation error
+    "weight-only": {"weight_granularity": "channel", "activations": "none"},
+}
 
 
 @dataclasses.dataclass
@@ -31,8 +45,9 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn) -> str | None:
-    """Why this nn.Linear is not converted, or None to convert it."""
+def skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn, *, check_weight: bool = True) -> str | None:
+    """Why this nn.Linear is not converted, or None to convert it. ``check_weight=False``
+    for a model skeleton whose weights are still in a checkpoint (on the meta device)."""
     if isinstance(module, FP8Linear):
         return "already an FP8Linear"
     if type(module) is not nn.Linear:
@@ -44,6 +59,8 @@ def _skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn) -> str | 
         return "listed in skip_modules"
     if filter_fn is not None and not filter_fn(module, fqn):
         return "filter_fn returned False"
+    if not check_weight:
+        return None
     weight = module.weight
     if weight.device.type == "meta":
         return "weight on the meta device (not materialized)"
@@ -53,14 +70,16 @@ def _skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn) -> str | 
 
 
 def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_modules=("lm_head",),
-                   filter_fn: Callable[[nn.Module, str], bool] | None = None, **options) -> nn.Module:
+                   filter_fn: Callable[[nn.Module, str], bool] | None = None, progress: bool | None = None,
+                   **options) -> nn.Module:
     """Replace ``model``'s nn.Linear layers by FP8Linear, in place, and return ``model``.
 
     quantization: ``"fp8"``, or ``None`` to change nothing.
     skip_modules: names (last component, e.g. ``"lm_head"``) or full names of layers to keep.
     filter_fn: ``filter_fn(module, fqn) -> bool``; convert only where it returns True.
+    progress: a tqdm progress bar over the layers (None: only when stderr is a terminal).
     options: the fields of :class:`FP8Config` (``weight_granularity``,
-        ``activations``, ``activation_granularity``, ``fp8_dtype``).
+        ``activations``, ``activation_granularity``, ``fp8_dtype``); see SCHEMES.
 
     A module used in two places stays one shared module. Every layer that is not
     converted is reported with the reason (log level WARNING when it could not be
@@ -75,7 +94,7 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
     skip_modules = {skip_modules} if isinstance(skip_modules, str) else set(skip_modules or ())
 
     report = ConversionReport()
-    replacements: dict[int, nn.Module] = {}  # id(old module) -> new module, so shared modules stay shared
+    to_convert: dict[int, nn.Linear] = {}  # id(old module) -> old module, so shared modules stay shared
     places: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, old module)
     # First plan and build every replacement without touching the model, so that a
     # failure part way leaves it as it was.
@@ -86,16 +105,19 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
             if not isinstance(child, nn.Linear):
                 continue
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
-            if id(child) in replacements:
+            if id(child) in to_convert:
                 places.append((parent, child_name, child))
                 continue
-            reason = _skip_reason(child, fqn, skip_modules, filter_fn)
+            reason = skip_reason(child, fqn, skip_modules, filter_fn)
             if reason is not None:
                 report.skipped.setdefault(fqn, reason)
                 continue
-            replacements[id(child)] = FP8Linear.from_linear(child, config=config)
+            to_convert[id(child)] = child
             places.append((parent, child_name, child))
             report.converted.append(fqn)
+    replacements = {key: FP8Linear.from_linear(linear, config=config)
+                    for key, linear in progress_bar(progress, iterable=to_convert.items(), total=len(to_convert),
+                                                    desc="Converting to FP8", unit="layer")}
     for parent, child_name, child in places:
         setattr(parent, child_name, replacements[id(child)])
 

@@ -101,6 +101,9 @@ class FP8Linear(nn.Module):
         else:
             self.input_scale = None
         self._input_scale_ready = False
+        # weight-only layers multiply by this instead of an activation scale; a buffer
+        # follows the layer across devices, so forward allocates nothing for it
+        self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, **factory), persistent=False)
         self.register_load_state_dict_pre_hook(FP8Linear._check_loaded_state)
 
     @classmethod
@@ -120,9 +123,58 @@ class FP8Linear(nn.Module):
         q, scale = ops.quantize_fp8(weight, dtype=layer.config.fp8_dtype, granularity=granularity)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = scale
+        layer.unit_scale = torch.ones((), dtype=torch.float32, device=weight.device)
         if bias:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         if layer.input_scale is not None:
+            layer.input_scale = torch.full((), math.nan, dtype=torch.float32, device=weight.device)
+        return layer
+
+    @classmethod
+    def from_fp8(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None, config: FP8Config | None = None,
+                 **options) -> "FP8Linear":
+        """An FP8Linear holding already-quantized tensors as they are, without copying them.
+
+        This is how checkpoints are loaded: building the layer from a full-precision
+        weight and quantizing it again would need the memory of a bf16 model and
+        would not reproduce the stored fp8 bytes. ``weight`` is fp8 ``[N, K]`` of
+        ``config.fp8_dtype``; ``weight_scale`` float32 ``()`` (per-tensor) or
+        ``[N, 1]`` (per-channel); ``bias`` ``[N]``; ``input_scale`` float32 ``()`` for
+        static activations (without it the layer waits for calibration, as from_linear's
+        does), refused otherwise. All on one device.
+        """
+        if config is not None and options:
+            raise ValueError("pass either config= or FP8Config fields as keywords, not both")
+        layer_config = config if config is not None else FP8Config(**options)
+        if weight.dtype != layer_config.fp8_dtype or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D {layer_config.fp8_dtype} tensor [N, K], "
+                             f"got {weight.dim()}-D {weight.dtype}")
+        out_features, in_features = weight.shape
+        scale_shape = (out_features, 1) if layer_config.weight_granularity == "channel" else ()
+        if tuple(weight_scale.shape) != scale_shape:
+            raise ValueError(f"weight_scale for per-{layer_config.weight_granularity} weights must have shape "
+                             f"{list(scale_shape)}, got {list(weight_scale.shape)}")
+        _check_scale_value("weight_scale", weight_scale)
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != out_features or not bias.is_floating_point()):
+            raise ValueError(f"bias must be a float tensor of shape [{out_features}], "
+                             f"got {bias.dtype} {list(bias.shape)}")
+        if input_scale is not None and layer_config.activations != "static":
+            raise ValueError(f"input_scale is only used with activations='static', "
+                             f"this layer has {layer_config.activations!r}")
+        tensors = [t for t in (weight, weight_scale, bias, input_scale) if t is not None]
+        if len({t.device for t in tensors}) != 1:
+            raise ValueError(f"weight, scales and bias must be on one device, got {[str(t.device) for t in tensors]}")
+        layer = cls(in_features, out_features, bias=bias is not None, device="meta",
+                    dtype=bias.dtype if bias is not None else None, config=layer_config)
+        layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        layer.weight_scale = weight_scale.detach()
+        layer.unit_scale = torch.ones((), dtype=torch.float32, device=weight.device)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        if input_scale is not None:
+            layer.set_input_scale(input_scale)
+        elif layer.input_scale is not None:
             layer.input_scale = torch.full((), math.nan, dtype=torch.float32, device=weight.device)
         return layer
 
@@ -134,6 +186,17 @@ class FP8Linear(nn.Module):
         _check_scale_value("input_scale", scale)
         self.input_scale = scale
         self._input_scale_ready = True
+
+    def clear_input_scale(self) -> None:
+        """Forget the static activation scale: forward refuses to run until one is set."""
+        if self.input_scale is not None:
+            self.input_scale = torch.full((), math.nan, dtype=torch.float32, device=self.input_scale.device)
+        self._input_scale_ready = False
+
+    @property
+    def input_scale_ready(self) -> bool:
+        """Whether a static layer has its input_scale (from calibration, loading or set_input_scale)."""
+        return self._input_scale_ready
 
     def _check_loaded_state(self, state_dict, prefix, *args):
         for name in ("weight_scale", "input_scale"):
@@ -177,6 +240,7 @@ class FP8Linear(nn.Module):
     def _fp8_state(self):
         yield "weight", self.weight
         yield "weight_scale", self.weight_scale
+        yield "unit_scale", self.unit_scale
         if self.input_scale is not None:
             yield "input_scale", self.input_scale
 
@@ -188,7 +252,7 @@ class FP8Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         config = self.config
         if config.activations == "none":
-            a, scale_a = x2d, torch.ones((), dtype=torch.float32, device=x.device)
+            a, scale_a = x2d, self.unit_scale
         elif config.activations == "static":
             if not self._input_scale_ready:
                 raise RuntimeError("input_scale is not set: run fp8linear.calibrate(model, batches) "
