@@ -63,7 +63,10 @@ def extension():
     ]
     # No native-arch flag: every ISA variant is compiled with target attributes and
     # picked at run time from the CPU's flags.
-    cxx_flags = ["-O3", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
+    # -fopenmp at compile time only: at::parallel_for is an inline OpenMP loop that
+    # runs on one thread without it; its GOMP symbols resolve at load time to the
+    # OpenMP runtime torch itself loads (linking -lgomp would load a second one).
+    cxx_flags = ["-O3", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-fopenmp"]
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         cuda_sources = sources("csrc/cuda/*.cu") + sources("csrc/bindings/*_cuda.cpp")

@@ -61,7 +61,9 @@ def median_time(fn, items, repeats: int) -> float:
 
 def read_bandwidth(gigabytes: float, repeats: int) -> float:
     """GB/s of reading a buffer far larger than the last-level cache, all threads."""
-    buffer = torch.ones(int(gigabytes * 1e9), dtype=torch.uint8)
+    # random bytes: pages of one repeated value can be merged by the kernel (KSM) and
+    # then read from cache, which once showed twice the real bandwidth here
+    buffer = torch.randint(0, 256, (int(gigabytes * 1e9),), dtype=torch.uint8)
     native().read_bandwidth_probe(buffer)
     seconds = median_time(native().read_bandwidth_probe, [buffer], repeats)
     return buffer.numel() / seconds / 1e9

@@ -156,8 +156,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
 }
 
 /* Weight rows are the outer loop: each block of them is read from memory once and
- * reused from L1 by every block of up to 8 activation rows. Four weight rows at a
- * time while few activation rows leave registers free, else two. */
+ * reused from L1 by every block of up to 4 activation rows, four weight rows at a
+ * time. Up to 4 activation rows (decode) read one weight row at a time instead:
+ * one sequential stream per thread runs closer to the memory's bandwidth than four
+ * streams a row apart (14336 x 4096, 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
 #define DOT_CASE(ROWS, COLS) \
   case ROWS: dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); break;
 #define DOT_ROW_BLOCKS(COLS)                                            \
@@ -174,7 +176,9 @@ BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) DOT_ROW_BLOCKS(4)
+  if (m_end - m_begin > 4) {
+    for (; n + 4 <= n_end; n += 4) DOT_ROW_BLOCKS(4)
+  }
   for (; n < n_end; ++n) DOT_ROW_BLOCKS(1)
 }
 
