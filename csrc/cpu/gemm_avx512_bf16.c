@@ -126,9 +126,14 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
 BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                          const uint16_t* activations, int64_t k_padded, int64_t m0, int64_t n0,
                                          const int ROWS, const int COLS) {
-  __m512 acc[8][4];
+  /* With few (row, column) pairs, one accumulator each would chain every dot product
+   * on the previous one's latency; the two halves of each 64-k step then get their
+   * own accumulators (decode, M = 1: one chain of two dot products per 64 bytes
+   * capped a thread near 24 GB/s). */
+  const int split = ROWS * COLS <= 4;
+  __m512 acc[4][4], acc_high[4][4];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < COLS; ++c) acc[r][c] = acc_high[r][c] = _mm512_setzero_ps();
   const uint8_t* weight_rows[4];
   for (int c = 0; c < COLS; ++c) weight_rows[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
   const int64_t k = p->k;
@@ -137,8 +142,8 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
     __m512i w0[4], w1[4];
     for (int c = 0; c < COLS; ++c) {
       /* the same bytes two blocks of weight rows ahead: rows are often exactly one
-       * page long and the hardware prefetchers stop at page boundaries (measured at
-       * M = 1, 14336 x 4096: 47% of the read probe without, 81% with) */
+       * page long and the hardware prefetchers stop at page boundaries (four rows at
+       * a time, 14336 x 4096, M = 1: 47% of the read probe without, 81% with) */
       _mm_prefetch((const char*)(weight_rows[c] + 2 * COLS * p->b_col_stride + k0), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
     }
@@ -147,12 +152,17 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a), a1 = (__m512bh)_mm512_loadu_si512(a + 32);
       for (int c = 0; c < COLS; ++c) {
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a0, (__m512bh)w0[c]);
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a1, (__m512bh)w1[c]);
+        if (split) {
+          acc_high[r][c] = _mm512_dpbf16_ps(acc_high[r][c], a1, (__m512bh)w1[c]);
+        } else {
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a1, (__m512bh)w1[c]);
+        }
       }
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_output(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+    for (int c = 0; c < COLS; ++c)
+      store_output(p, m0 + r, n0 + c, _mm512_reduce_add_ps(split ? _mm512_add_ps(acc[r][c], acc_high[r][c]) : acc[r][c]));
 }
 
 /* Weight rows are the outer loop: each block of them is read from memory once and
