@@ -32,16 +32,10 @@ import fp8linear
 from fp8linear import reference
 from fp8linear._native import native
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
+from common import MODEL_SHAPES, RESULTS, plot_speedup  # noqa: E402
 
-SHAPES = {  # name: (out_features N, in_features K)
-    "Llama-3-8B q/o 4096x4096": (4096, 4096),
-    "Llama-3-8B up/gate 14336x4096": (14336, 4096),
-    "Llama-3-8B down 4096x14336": (4096, 14336),
-    "SmolLM2 up/gate 1536x576": (1536, 576),
-    "SmolLM2 down 576x1536": (576, 1536),
-    "SmolLM2 q/o 576x576": (576, 576),
-}
+SHAPES = MODEL_SHAPES
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
 DECODE_ROWS = 16            # up to here weights are cycled from DRAM
 SLOW_CONTENDERS = ("_scaled_mm", "fp32")
@@ -188,28 +182,8 @@ def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
         f"reference ({eager * 1e3:.1f} ms).",
     ]
     (args.output_dir / args.name).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(table, (args.output_dir / args.name).with_suffix(".png"))
-
-
-def plot(table, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(entry[0] for entry in table):
-        entries = [e for e in table if e[0] == name]
-        axis.plot([e[3] for e in entries], [e[4]["bf16"] / e[4]["fp8linear"] for e in entries], marker="o", label=name)
-    axis.axhline(1.0, color="gray", linewidth=0.8)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("rows M (tokens in the batch)")
-    axis.set_ylabel("speedup of FP8Linear over bf16 nn.Linear")
-    axis.set_title(f"fp8linear on the CPU ({torch.get_num_threads()} threads)")
-    axis.legend(fontsize=8)
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    plot_speedup(table, (args.output_dir / args.name).with_suffix(".png"), fp8_key="fp8linear",
+                 title=f"fp8linear on the CPU ({torch.get_num_threads()} threads)", baseline_name="nn.Linear")
 
 
 def main(argv=None):

@@ -32,15 +32,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
+from common import MODEL_SHAPES, RESULTS, plot_speedup  # noqa: E402
 
-SHAPES = {  # name: (out_features N, in_features K)
-    "Llama-3-8B q/o 4096x4096": (4096, 4096),
-    "Llama-3-8B up/gate 14336x4096": (14336, 4096),
-    "Llama-3-8B down 4096x14336": (4096, 14336),
-    "SmolLM2 q/o 576x576": (576, 576),
-    "SmolLM2 up/gate 1536x576": (1536, 576),
-    "SmolLM2 down 576x1536": (576, 1536),
+SHAPES = {
+    **MODEL_SHAPES,
     "SmolLM2 k/v 192x576": (192, 576),
     "unaligned N 4097x4096": (4097, 4096),
     "unaligned K 4096x4095": (4096, 4095),
@@ -271,33 +267,9 @@ def write_results(args, table, ceilings, quantize, elapsed):
     ]
     path = (args.output_dir / args.name).with_suffix(".md")
     path.write_text("\n".join(lines) + "\n")
-    plot(table, path.with_suffix(".png"), properties.name)
+    plot_speedup(table, path.with_suffix(".png"), fp8_key="FP8Linear", title=f"fp8linear on {properties.name}",
+                 baseline_name="F.linear")
     return path
-
-
-def plot(table, path, device_name):
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot at {path}")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(9, 5.5))
-    for name in dict.fromkeys(entry[0] for entry in table):
-        entries = [e for e in table if e[0] == name]
-        axis.plot([e[3] for e in entries], [e[4]["bf16"] / e[4]["FP8Linear"] for e in entries], marker="o",
-                  label=name, linestyle="--" if name.startswith("unaligned") else "-")
-    axis.axhline(1.0, color="gray", linewidth=0.8)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("rows M (tokens in the batch)")
-    axis.set_ylabel("speedup of FP8Linear over bf16 F.linear")
-    axis.set_title(f"fp8linear on {device_name}")
-    axis.legend(fontsize=7)
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
 
 
 def main(argv=None):

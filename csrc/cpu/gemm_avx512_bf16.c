@@ -141,10 +141,13 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
     const __mmask64 mask = tail_mask64(k - k0);
     __m512i w0[4], w1[4];
     for (int c = 0; c < COLS; ++c) {
-      /* the same bytes two blocks of weight rows ahead: rows are often exactly one
-       * page long and the hardware prefetchers stop at page boundaries (four rows at
-       * a time, 14336 x 4096, M = 1: 47% of the read probe without, 81% with) */
-      _mm_prefetch((const char*)(weight_rows[c] + 2 * COLS * p->b_col_stride + k0), _MM_HINT_T0);
+      /* Software prefetch, since rows are often exactly one page long and the hardware
+       * prefetchers stop at page boundaries (four rows at a time, 14336 x 4096, M = 1:
+       * 47% of the read probe without, 81% with). One row at a time reads a single
+       * stream: 8 KiB ahead in it; several rows: the same bytes two blocks ahead. A
+       * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB. */
+      const int64_t ahead = COLS == 1 ? k0 + 8192 : 2 * COLS * p->b_col_stride + k0;
+      _mm_prefetch((const char*)(weight_rows[c] + ahead), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
     }
     for (int r = 0; r < ROWS; ++r) {

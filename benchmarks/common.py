@@ -1,0 +1,44 @@
+"""What the CPU and CUDA benchmarks share: the model shapes and the speedup plot."""
+from __future__ import annotations
+
+import pathlib
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+MODEL_SHAPES = {  # name: (out_features N, in_features K)
+    "Llama-3-8B q/o 4096x4096": (4096, 4096),
+    "Llama-3-8B up/gate 14336x4096": (14336, 4096),
+    "Llama-3-8B down 4096x14336": (4096, 14336),
+    "SmolLM2 up/gate 1536x576": (1536, 576),
+    "SmolLM2 down 576x1536": (576, 1536),
+    "SmolLM2 q/o 576x576": (576, 576),
+}
+
+
+def plot_speedup(table, path, *, fp8_key: str, title: str, baseline_name: str) -> None:
+    """Speedup of fp8linear over bf16 against M, one line per shape (dashed: unaligned).
+
+    table rows are (shape name, N, K, M, {contender: seconds}); without matplotlib the
+    plot is skipped with a message (a bare GPU machine may lack it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 5.5))
+    for name in dict.fromkeys(entry[0] for entry in table):
+        entries = [e for e in table if e[0] == name]
+        axis.plot([e[3] for e in entries], [e[4]["bf16"] / e[4][fp8_key] for e in entries], marker="o",
+                  label=name, linestyle="--" if name.startswith("unaligned") else "-")
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("rows M (tokens in the batch)")
+    axis.set_ylabel(f"speedup of FP8Linear over bf16 {baseline_name}")
+    axis.set_title(title)
+    axis.legend(fontsize=7)
+    axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
