@@ -10,6 +10,9 @@ __attribute__((target("avx512f"))) static uint64_t read_avx512(const uint8_t* da
   __m512i acc2 = _mm512_setzero_si512(), acc3 = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 256 <= bytes; i += 256) {
+    /* hardware prefetchers stop at 4 KiB page boundaries; without this the probe
+     * measured ~45 GB/s on 2 threads where the fp8 kernels (which prefetch) read 62 */
+    for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)(data + i + 8192 + line), _MM_HINT_T0);
     acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(data + i));
     acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(data + i + 64));
     acc2 = _mm512_xor_si512(acc2, _mm512_loadu_si512(data + i + 128));
