@@ -33,7 +33,7 @@ from fp8linear import reference
 from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
-from common import MODEL_SHAPES, RESULTS, plot_speedup  # noqa: E402
+from common import MODEL_SHAPES, RESULTS, plot_speedup, select_shapes  # noqa: E402
 
 SHAPES = MODEL_SHAPES
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
@@ -205,10 +205,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
     rows_list = [int(r) for r in args.rows.split(",")]
-    shapes = dict(SHAPES)
-    if args.shapes:
-        keep = args.shapes.split(",")
-        shapes = {name: shape for name, shape in shapes.items() if any(part in name for part in keep)}
+    shapes = select_shapes(SHAPES, args.shapes)
     if args.smoke:
         shapes = {"smoke 96x80": (96, 80), "smoke 40x136": (40, 136)}
         rows_list = [1, 17]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
-from common import MODEL_SHAPES, RESULTS, plot_speedup  # noqa: E402
+from common import MODEL_SHAPES, RESULTS, plot_speedup, select_shapes  # noqa: E402
 
 SHAPES = {
     **MODEL_SHAPES,
@@ -292,10 +292,7 @@ def main(argv=None):
         return 1
     warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
     rows_list = [int(r) for r in args.rows.split(",")]
-    shapes = dict(SHAPES)
-    if args.shapes:
-        keep = args.shapes.split(",")
-        shapes = {name: shape for name, shape in shapes.items() if any(part in name for part in keep)}
+    shapes = select_shapes(SHAPES, args.shapes)
     if args.smoke:
         shapes = {"smoke 256x192": (256, 192), "unaligned smoke 130x97": (130, 97)}
         rows_list = [1, 17]

@@ -15,6 +15,14 @@ MODEL_SHAPES = {  # name: (out_features N, in_features K)
 }
 
 
+def select_shapes(shapes: dict, keep: str | None) -> dict:
+    """The shapes whose name contains one of the comma-separated parts of ``keep`` (all if None)."""
+    if not keep:
+        return dict(shapes)
+    parts = keep.split(",")
+    return {name: shape for name, shape in shapes.items() if any(part in name for part in parts)}
+
+
 def plot_speedup(table, path, *, fp8_key: str, title: str, baseline_name: str) -> None:
     """Speedup of fp8linear over bf16 against M, one line per shape (dashed: unaligned).
 
