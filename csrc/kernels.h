@@ -55,9 +55,8 @@ typedef enum {
   FP8_CPU_SCALAR = 0,
   FP8_CPU_AVX2 = 1,
   FP8_CPU_AVX512 = 2,      /* AVX-512 F/BW/VL */
-  FP8_CPU_AVX512_BF16 = 3, /* + AVX512-BF16 dot products */
-  FP8_CPU_AMX = 4,         /* + AMX-BF16 tiles (large M only) */
-  FP8_CPU_VARIANT_COUNT = 5
+  FP8_CPU_AVX512_BF16 = 3, /* + AVX512-BF16 dot products and AVX512-VBMI byte permutes */
+  FP8_CPU_VARIANT_COUNT = 4
 } fp8_cpu_variant;
 
 const char* fp8_cpu_variant_name(fp8_cpu_variant variant);

@@ -1,35 +1,16 @@
 /* Which CPU kernel variant runs: detected once from CPUID/XGETBV (never from
- * compile flags), overridable for tests. AMX additionally needs the Linux
- * permission request before the first tile instruction. */
-/* syscall() is a GNU/POSIX extension that strict -std=c11 hides without this */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE
-#endif
+ * compile flags), overridable for tests. */
 #include <stddef.h>
 
 #include "cpu_internal.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 static uint64_t read_xcr0(void) {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return ((uint64_t)edx << 32) | eax;
-}
-
-/* Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-static int request_amx_permission(void) {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-  return 0;
-#endif
 }
 
 static fp8_cpu_variant detect_best_variant(void) {
@@ -39,12 +20,11 @@ static fp8_cpu_variant detect_best_variant(void) {
   if (!osxsave) return FP8_CPU_SCALAR;
   const uint64_t xcr0 = read_xcr0();
   const int os_avx = (xcr0 & 0x6) == 0x6, os_avx512 = (xcr0 & 0xE6) == 0xE6;
-  const int os_amx = (xcr0 & 0x60000) == 0x60000;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return FP8_CPU_SCALAR;
   const int has_avx2 = (ebx >> 5) & 1;
   const int has_avx512 = ((ebx >> 16) & 1) /* F */ && ((ebx >> 30) & 1) /* BW */ &&
                          ((ebx >> 31) & 1) /* VL */ && ((ebx >> 17) & 1) /* DQ */;
-  const int has_amx_bf16 = ((edx >> 22) & 1) && ((edx >> 24) & 1) /* AMX-TILE */;
+  const int has_avx512_vbmi = (ecx >> 1) & 1; /* vpermt2b: the fp8 -> bf16 byte tables */
   uint32_t eax1 = 0, ebx1, ecx1, edx1;
   __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1);
   const int has_avx512_bf16 = (eax1 >> 5) & 1;
@@ -52,9 +32,8 @@ static fp8_cpu_variant detect_best_variant(void) {
   fp8_cpu_variant best = FP8_CPU_SCALAR;
   if (os_avx && has_avx2 && has_fma && has_f16c) best = FP8_CPU_AVX2;
   if (best == FP8_CPU_AVX2 && os_avx512 && has_avx512) best = FP8_CPU_AVX512;
-  if (best == FP8_CPU_AVX512 && has_avx512_bf16) best = FP8_CPU_AVX512_BF16;
-  if (best == FP8_CPU_AVX512_BF16 && has_amx_bf16 && os_amx && request_amx_permission())
-    best = FP8_CPU_AMX;
+  /* Cooper Lake has AVX512-BF16 without VBMI: it takes the AVX-512 variant */
+  if (best == FP8_CPU_AVX512 && has_avx512_bf16 && has_avx512_vbmi) best = FP8_CPU_AVX512_BF16;
   return best;
 }
 #else
@@ -91,7 +70,6 @@ int fp8_cpu_set_variant(fp8_cpu_variant variant) {
 }
 
 const char* fp8_cpu_variant_name(fp8_cpu_variant variant) {
-  static const char* const names[FP8_CPU_VARIANT_COUNT] = {"scalar", "avx2", "avx512",
-                                                           "avx512_bf16", "amx"};
+  static const char* const names[FP8_CPU_VARIANT_COUNT] = {"scalar", "avx2", "avx512", "avx512_bf16"};
   return (variant >= 0 && variant < FP8_CPU_VARIANT_COUNT) ? names[variant] : "unknown";
 }
