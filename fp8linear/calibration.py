@@ -19,7 +19,7 @@ from torch import nn
 
 from ._progress import progress_bar
 from .linear import FP8Linear
-from .ops import fp8_max
+from .reference import scale_from_amax
 
 __all__ = ["calibrate", "CalibrationReport", "text_batches"]
 
@@ -53,10 +53,6 @@ def _finite_amax(x: torch.Tensor) -> torch.Tensor:
     return magnitude.max() if magnitude.numel() else torch.zeros((), device=x.device)
 
 
-def _scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
-    return (amax.double() / fmax).clamp(min=1.0 / (fmax * 512.0)).float()
-
-
 def _run(model: nn.Module, batch) -> None:
     if isinstance(batch, Mapping):
         model(**batch)
@@ -84,15 +80,15 @@ def calibrate(model: nn.Module, batches: Iterable, *, progress: bool | None = No
     previous = {name: layer.input_scale if layer.input_scale_ready else None for name, layer in layers.items()}
     running: dict[str, torch.Tensor] = {}
 
-    def make_hook(name: str, fmax: float):
+    def make_hook(name: str, fp8_dtype: torch.dtype):
         def record_and_scale(layer: FP8Linear, args):
             amax = _finite_amax(args[0])
             running[name] = amax if name not in running else torch.maximum(running[name], amax)
             # quantize this input with its own scale: dynamic per-tensor while calibrating
-            layer.set_input_scale(_scale(amax, fmax))
+            layer.set_input_scale(scale_from_amax(amax, fp8_dtype))
         return record_and_scale
 
-    handles = [layer.register_forward_pre_hook(make_hook(name, fp8_max(layer.config.fp8_dtype)))
+    handles = [layer.register_forward_pre_hook(make_hook(name, layer.config.fp8_dtype))
                for name, layer in layers.items()]
     count = 0
     try:
@@ -112,7 +108,7 @@ def calibrate(model: nn.Module, batches: Iterable, *, progress: bool | None = No
         raise ValueError("batches is empty: calibration needs at least one batch")
 
     report = CalibrationReport(batches=count)
-    scales = {name: _scale(running[name], fp8_max(layers[name].config.fp8_dtype)) for name in running}
+    scales = {name: scale_from_amax(running[name], layers[name].config.fp8_dtype) for name in running}
     for name, layer in layers.items():
         if name not in scales:
             report.uncalibrated.append(name)

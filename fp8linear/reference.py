@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dynamic_scale", "quantize_fp8", "scaled_mm", "scaled_mm_float64"]
+__all__ = ["dynamic_scale", "scale_from_amax", "quantize_fp8", "scaled_mm", "scaled_mm_float64"]
 
 
 def _fmax(dtype: torch.dtype) -> float:
@@ -28,6 +28,11 @@ def dynamic_scale(x: torch.Tensor, dtype: torch.dtype, granularity: str = "tenso
             amax = magnitude.amax(dim=-1, keepdim=True)
     else:
         raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    return scale_from_amax(amax, dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale rule on its own: ``max(amax / FMAX, 1 / (FMAX * 512))`` in float64, as float32."""
     fmax = _fmax(dtype)
     return (amax.double() / fmax).clamp(min=1.0 / (fmax * 512.0)).float()
 
