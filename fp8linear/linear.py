@@ -57,6 +57,12 @@ class FP8Config:
         return weights + f", activations {self.activations} {granularity}"
 
 
+def _resolve_config(config: FP8Config | None, options: dict) -> FP8Config:
+    if config is not None and options:
+        raise ValueError("pass either config= or FP8Config fields as keywords, not both")
+    return config if config is not None else FP8Config(**options)
+
+
 def _check_scale_value(name: str, scale: torch.Tensor) -> None:
     """A stored scale must be finite and > 0; checked when it is set, never per call."""
     if scale.dtype != torch.float32:
@@ -80,9 +86,7 @@ class FP8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: torch.dtype | None = None, *, config: FP8Config | None = None, **options):
         super().__init__()
-        if config is not None and options:
-            raise ValueError("pass either config= or FP8Config fields as keywords, not both")
-        self.config = config if config is not None else FP8Config(**options)
+        self.config = _resolve_config(config, options)
         self.in_features = in_features
         self.out_features = out_features
         factory = {"device": device}
@@ -116,19 +120,11 @@ class FP8Linear(nn.Module):
             raise ValueError(f"linear.weight must be float32, bfloat16 or float16, got {weight.dtype}")
         if weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not materialized): load the weights first")
-        bias = linear.bias is not None
-        layer = cls(linear.in_features, linear.out_features, bias=bias, device="meta",
-                    dtype=linear.bias.dtype if bias else None, config=config, **options)
-        granularity = "row" if layer.config.weight_granularity == "channel" else "tensor"
-        q, scale = ops.quantize_fp8(weight, dtype=layer.config.fp8_dtype, granularity=granularity)
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = scale
-        layer.unit_scale = torch.ones((), dtype=torch.float32, device=weight.device)
-        if bias:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        if layer.input_scale is not None:
-            layer.input_scale = torch.full((), math.nan, dtype=torch.float32, device=weight.device)
-        return layer
+        config = _resolve_config(config, options)
+        granularity = "row" if config.weight_granularity == "channel" else "tensor"
+        q, scale = ops.quantize_fp8(weight, dtype=config.fp8_dtype, granularity=granularity)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls.from_fp8(q, scale, bias=bias, config=config)
 
     @classmethod
     def from_fp8(cls, weight: torch.Tensor, weight_scale: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -144,9 +140,7 @@ class FP8Linear(nn.Module):
         static activations (without it the layer waits for calibration, as from_linear's
         does), refused otherwise. All on one device.
         """
-        if config is not None and options:
-            raise ValueError("pass either config= or FP8Config fields as keywords, not both")
-        layer_config = config if config is not None else FP8Config(**options)
+        layer_config = _resolve_config(config, options)
         if weight.dtype != layer_config.fp8_dtype or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D {layer_config.fp8_dtype} tensor [N, K], "
                              f"got {weight.dim()}-D {weight.dtype}")
