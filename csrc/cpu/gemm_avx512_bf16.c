@@ -201,7 +201,8 @@ enum {
   TILE_LANES = 16,        /* activation rows per vector */
   TILE_VECTORS = 3,       /* activation vectors per register tile: 48 rows */
   TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
-  TILE_K_BLOCK = 256      /* K per pass: the widened panel is 64 x 256 bf16 = 32 KiB */
+  TILE_K_BLOCK = 256,     /* K per pass: the widened panel is 64 x 256 bf16 = 32 KiB */
+  TILE_ROW_CHUNK = 384    /* activation rows per sweep over the weights (a multiple of 48) */
 };
 
 /* Workspace layout of the tile kernel: activations packed by groups of 16 rows,
@@ -256,6 +257,10 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
     }
     const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
     for (int64_t kk = 0; kk < k_block; kk += 64) {
+      /* the same row's next block: 64 rows x 4 lines at a time are more streams than
+       * the hardware prefetchers follow (M = 64, 4096 x 4096, one thread: 7.2 ms per
+       * call without, 5.1 ms with) */
+      _mm_prefetch((const char*)(row + k0 + kk + TILE_K_BLOCK), _MM_HINT_T0);
       __m512i out0, out1;
       widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(p->k - (k0 + kk)), row + k0 + kk), &out0, &out1);
       _mm512_storeu_si512(dest + kk, out0);
@@ -336,8 +341,9 @@ BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float
   }
 }
 
-BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
-                                    int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                         const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
+                                         int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   const int64_t group_stride = (kp / 2) * TILE_LANES;                     /* uint32 between row groups */
@@ -380,6 +386,17 @@ BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu
   }
   free(sums);
   free(panel);
+}
+
+/* Rows in chunks of TILE_ROW_CHUNK, each over all of this thread's weight rows:
+ * a chunk's activations for one K block (384 x 256 bf16 = 192 KiB) and its sums
+ * stay in L2, where all M rows at once (1 MiB per K block at M = 2048) streamed
+ * from L3 (M = 2048, 4096 x 4096, 2 threads: 87 ms per call before, 77 ms after).
+ * Each chunk widens the weight panels again: 1/384 of its dot products. */
+BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
+                                    int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_ROW_CHUNK)
+    tile_kernel_rows(p, plan, packed, m0, m_end - m0 < TILE_ROW_CHUNK ? m_end : m0 + TILE_ROW_CHUNK, n_begin, n_end);
 }
 
 /* ---- entry points ---------------------------------------------------------- */
