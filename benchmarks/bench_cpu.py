@@ -114,6 +114,10 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table):
             "_scaled_mm": (lambda layer: torch._scaled_mm(qx, layer.weight.t(), sx, layer.weight_scale,
                                                           out_dtype=torch.bfloat16), fp8_layers[:1]),
         }
+        if rows == 1:
+            # the memory's read speed on the very bytes FP8Linear reads, measured in the same
+            # repetitions: this host's bandwidth changes by up to 2x from one minute to the next
+            contenders["read probe"] = (lambda layer: native().read_bandwidth_probe(layer.weight), fp8_layers)
         if torchao_make is not None:
             contenders["torchao"] = (lambda model: model(x), [torchao_make(torch.nn.Linear(k, n, bias=False).bfloat16())])
         for fn, items in contenders.values():
@@ -129,7 +133,7 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table):
         print(format_row(table[-1]), flush=True)
 
 
-def format_row(entry, bandwidth=None):
+def format_row(entry):
     name, n, k, rows, t = entry
     fp8 = t["fp8linear"]
     gbs = n * k / fp8 / 1e9
@@ -137,23 +141,28 @@ def format_row(entry, bandwidth=None):
              f"{t['fp32'] / fp8:.2f}x", f"{t['_scaled_mm'] / fp8:.1f}x",
              f"{t['torchao'] / fp8:.2f}x" if "torchao" in t else "n/a", f"{gbs:.1f}",
              f"{2 * rows * n * k / fp8 / 1e12:.3f}"]
-    if bandwidth:
-        cells.append(f"{100 * gbs / bandwidth:.0f}%" if rows == 1 else "")
+    probe = t.get("read probe")
+    cells.append(f"{100 * probe / fp8:.0f}% of {n * k / probe / 1e9:.1f}" if probe else "")
     return "| " + " | ".join(cells) + " |"
 
 
 def bench_quantize(elements: int, repeats: int):
     """quantize_fp8 on bf16, dynamic per-tensor: ours vs the eager reference."""
     x = torch.randn(elements, dtype=torch.bfloat16)
-    ours = median_time(lambda t: fp8linear.quantize_fp8(t), [x], repeats)
+    fp8linear.quantize_fp8(x)
+    ours, probe = [], []
+    for _ in range(repeats):  # alternated with a read of the same input: the same memory conditions
+        ours.append(median_time(lambda t: fp8linear.quantize_fp8(t), [x], 1))
+        probe.append(median_time(native().read_bandwidth_probe, [x], 1))
     eager = median_time(lambda t: reference.quantize_fp8(t), [x], max(1, repeats // 2))
-    return ours, eager, elements * 3  # bytes: 2 read + 1 written per element
+    read_gbs = 2 * elements / statistics.median(probe) / 1e9
+    return statistics.median(ours), eager, elements * 3, read_gbs  # bytes: 2 read + 1 written per element
 
 
 def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
     args.output_dir.mkdir(parents=True, exist_ok=True)
     header = ("| layer (N x K) | M | fp8linear ms | bf16 ms | vs bf16 | vs fp32 | vs _scaled_mm | vs torchao "
-              "| fp8 weight GB/s | TFLOP/s | % of read BW |")
+              "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) |")
     lines = [
         "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
         "",
@@ -162,7 +171,10 @@ def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
         f"CPU kernels: {native().cpu_variant()}; {platform.processor() or platform.machine()}; "
         f"run took {elapsed / 60:.1f} min.  ",
         f"Measured read bandwidth (all threads, {args.probe_gb:g} GB of random bytes, median of {args.probe_repeats} passes): "
-        f"**{bandwidth:.1f} GB/s** ({args.probe_note}; the larger is used below).  ",
+        f"**{bandwidth:.1f} GB/s** ({args.probe_note}). This host's bandwidth changes by up to 2x from "
+        "one minute to the next, so the % column compares each M = 1 layer with the same read probe run on "
+        "its own fp8 weights in the same repetitions (\"95% of 49.6\": FP8Linear read at 95% of the "
+        "49.6 GB/s the probe read meanwhile).  ",
         f"torchao: {torchao_note}.",
         "",
         "Times are medians over repetitions of one pass over the layer copies; ratios > 1 mean FP8Linear is "
@@ -173,16 +185,17 @@ def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
         header,
         "|" + "---|" * (header.count("|") - 1),
     ]
-    lines += [format_row(entry, bandwidth) for entry in table]
-    ours, eager, bytes_moved = quantize
+    lines += [format_row(entry) for entry in table]
+    ours, eager, bytes_moved, read_gbs = quantize
     lines += [
         "",
         f"quantize_fp8, {args.quantize_elements / 2**20:.0f} Mi bf16 elements, dynamic per-tensor: "
         f"{ours * 1e3:.2f} ms = {bytes_moved / ours / 1e9:.1f} GB/s counting each byte once (2 read + 1 written per "
-        f"element) = {100 * bytes_moved / ours / 1e9 / bandwidth:.0f}% of the read bandwidth; a dynamic per-tensor "
-        f"scale needs an amax pass before the quantize pass, so 5 bytes per element actually move: "
-        f"{5 / 3 * bytes_moved / ours / 1e9:.1f} GB/s = {500 / 3 * bytes_moved / ours / 1e9 / bandwidth:.0f}%. "
-        f"{eager / ours:.1f}x the eager reference ({eager * 1e3:.1f} ms).",
+        f"element) = {100 * bytes_moved / ours / 1e9 / read_gbs:.0f}% of the read probe on the same input in the "
+        f"same repetitions ({read_gbs:.1f} GB/s); a dynamic per-tensor scale needs an amax pass before the "
+        f"quantize pass, so 5 bytes per element actually move: {5 / 3 * bytes_moved / ours / 1e9:.1f} GB/s = "
+        f"{500 / 3 * bytes_moved / ours / 1e9 / read_gbs:.0f}%. {eager / ours:.1f}x the eager reference "
+        f"({eager * 1e3:.1f} ms).",
     ]
     (args.output_dir / args.name).with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot_speedup(table, (args.output_dir / args.name).with_suffix(".png"), fp8_key="fp8linear",

@@ -34,11 +34,14 @@ void advise_huge_pages(const at::Tensor& tensor) {
 
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
+constexpr int64_t kQuantizeChunk = 1 << 18;
 
 // One scale for the whole tensor: a parallel amax, then a parallel quantize.
 // Long rows are split by columns so that a single huge row still uses every thread.
 float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> static_scale) {
-  const int64_t col_chunk = p.rows == 1 ? std::max<int64_t>(kQuantizeGrain, p.cols / (4 * at::get_num_threads()) + 1) : p.cols;
+  // Chunks of a long row: small enough that the last ones the amax pass read are still in
+  // the last-level cache when the quantize pass, going backwards, reads them again.
+  const int64_t col_chunk = p.rows == 1 ? std::min<int64_t>(std::max<int64_t>(kQuantizeGrain, p.cols / (4 * at::get_num_threads()) + 1), kQuantizeChunk) : p.cols;
   const int64_t col_chunks = (p.cols + col_chunk - 1) / col_chunk;
   const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
   const int64_t tasks = p.rows * col_chunks;
@@ -56,8 +59,11 @@ float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> sta
     const float tensor_amax = amax.empty() ? 0.0f : *std::max_element(amax.begin(), amax.end());
     scale = scale_from_amax(tensor_amax, p.format);
   }
+  // Backwards: each thread starts with what its amax pass read last (the same split of
+  // [0, tasks) over the threads), part of which is still cached (up to the L3's size of a
+  // tensor that does not fit, instead of none of it).
   at::parallel_for(0, tasks, p.rows == 1 ? 1 : row_grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = end - 1; t >= begin; --t) {
       const int64_t row = t / col_chunks, col = (t % col_chunks) * col_chunk;
       fp8_cpu_quantize(&p, row, row + 1, col, std::min(p.cols, col + col_chunk), &scale, 0);
     }

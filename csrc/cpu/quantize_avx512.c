@@ -20,13 +20,26 @@ AVX512_TARGET static inline __m512 load16(const void* x, fp8_float_dtype dtype, 
   }
 }
 
+/* The bytes of the next 32 elements, 8 KiB ahead: the hardware prefetchers stop at
+ * 4 KiB page boundaries, and inputs are rarely on huge pages. Together with the
+ * backwards quantize pass of the bindings: 64 Mi bf16 elements, dynamic per-tensor,
+ * 2 threads, best of 25 calls 10.5 -> 9.7 ms (of which ~2.6 ms are page faults of
+ * the fresh 64 MB output). */
+AVX512_TARGET static inline void prefetch_ahead(const char* at, int64_t element_size) {
+  _mm_prefetch(at + 8192, _MM_HINT_T0);
+  if (element_size == 4) _mm_prefetch(at + 8192 + 64, _MM_HINT_T0);
+}
+
 AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
   const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i inf_bits = _mm512_set1_epi32(0x7F800000);
   /* two accumulators hide the max latency */
   __m512i amax0 = _mm512_setzero_si512(), amax1 = _mm512_setzero_si512();
+  const char* bytes = (const char*)x;
+  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(bytes + i * size, size);
     const __m512i m0 = _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, i, 0xFFFF)), magnitude_mask);
     const __m512i m1 = _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, i + 16, 0xFFFF)), magnitude_mask);
     amax0 = _mm512_mask_max_epu32(amax0, _mm512_cmplt_epu32_mask(m0, inf_bits), amax0, m0);
@@ -85,7 +98,17 @@ AVX512_TARGET void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype
                                             float scale, uint8_t* q, fp8_format format) {
   const encode_constants c = make_constants(format);
   const __m512 divisor = _mm512_set1_ps(scale);
+  const char* bytes = (const char*)x;
+  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
   int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    prefetch_ahead(bytes + i * size, size);
+    /* a true division: x * (1 / scale) would round differently */
+    const __m512 y0 = _mm512_div_ps(load16(x, dtype, i, 0xFFFF), divisor);
+    const __m512 y1 = _mm512_div_ps(load16(x, dtype, i + 16, 0xFFFF), divisor);
+    _mm_storeu_si128((__m128i*)(q + i), encode16(y0, &c));
+    _mm_storeu_si128((__m128i*)(q + i + 16), encode16(y1, &c));
+  }
   for (; i + 16 <= n; i += 16) {
     /* a true division: x * (1 / scale) would round differently */
     const __m512 y = _mm512_div_ps(load16(x, dtype, i, 0xFFFF), divisor);
