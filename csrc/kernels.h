@@ -88,7 +88,7 @@ typedef enum {
   FP8_MM_SCALAR = 0,     /* any strides; decodes through tables */
   FP8_MM_FLOAT_DOT = 1,  /* float32 FMA dot products (AVX2 / AVX-512, or float32/float16 activations) */
   FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
-  FP8_MM_BF16_TILE = 3   /* bf16 register tiles over packed activations: large M (GEMM) */
+  FP8_MM_BF16_TILE = 3   /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
 } fp8_cpu_mm_method;
 
 typedef struct {

@@ -33,7 +33,7 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 33, 256, 777])  # 777: three row chunks of the tile kernel
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny | tile; 777: three row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
@@ -42,15 +42,17 @@ def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
 @pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("per_row", [False, True])
-def test_formats_dtypes_and_scales(a_dtype, b_dtype, out_dtype, per_row, cpu_variant):
-    _check(*_operands(19, 130, 37, a_dtype, b_dtype, per_row), out_dtype=out_dtype)
+@pytest.mark.parametrize("m", [13, 19])  # the skinny and tile kernels
+def test_formats_dtypes_and_scales(a_dtype, b_dtype, out_dtype, per_row, m, cpu_variant):
+    _check(*_operands(m, 130, 37, a_dtype, b_dtype, per_row), out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
-def test_bias(bias_dtype, out_dtype, cpu_variant):
+@pytest.mark.parametrize("m", [5, 13, 40])  # the dot, skinny and tile kernels
+def test_bias(bias_dtype, out_dtype, m, cpu_variant):
     bias = torch.randn(37).to(bias_dtype)
-    _check(*_operands(5, 64, 37), bias=bias, out_dtype=out_dtype)
+    _check(*_operands(m, 64, 37), bias=bias, out_dtype=out_dtype)
 
 
 def test_any_strides(cpu_variant):
@@ -85,7 +87,7 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("m", [9, 40])  # the dot (small M) and tile (large M) kernels
+@pytest.mark.parametrize("m", [9, 13, 40])  # the dot, skinny and tile kernels
 def test_weight_only_float_activations(m, cpu_variant):
     x = torch.randn(m, 77)
     w, scale_w = fp8linear.quantize_fp8(torch.randn(33, 77))
