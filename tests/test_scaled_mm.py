@@ -169,7 +169,7 @@ def test_opcheck():
                           test_utils=OPCHECK_FP8_TESTS)
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 50, 300])
+@pytest.mark.parametrize("m", [1, 7, 13, 16, 50, 300, 800])
 def test_thread_count_does_not_change_results(m):
     # work is split over torch's intra-op pool; each output is computed by one thread in
     # a fixed order, so 1 and 2 threads must agree bit for bit
