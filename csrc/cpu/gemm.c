@@ -59,9 +59,10 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
 /* Up to this many activation rows the dot kernel (one pass over the weights,
  * every row against every weight row) beats packing for the tile kernels; its
  * cost grows with M (each weight is widened again for every 4 rows) while the
- * skinny kernel's (M <= 16: one group of 16 rows) does not. 4096 x 4096, 2 threads,
- * ms per call dot / skinny: M = 8 0.57 / 0.78, M = 9 0.67 / 0.79, M = 12 0.85 / 0.78. */
-enum { DOT_MAX_ROWS = 10 };
+ * skinny kernel's (M <= 16: one group of 16 rows) does not. 2 threads, ms per call
+ * dot / skinny, 4096 x 4096: M = 8 0.57 / 0.65, M = 9 0.68 / 0.66, M = 10 0.71 / 0.66;
+ * 1536 x 576: M = 8 0.043 / 0.046, M = 9 0.051 / 0.044. */
+enum { DOT_MAX_ROWS = 8 };
 
 static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
