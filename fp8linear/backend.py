@@ -60,6 +60,8 @@ def warn_once_if_not_native(device: torch.device) -> None:
     """Warn the first time a non-native path runs, naming it and why."""
     if torch.compiler.is_compiling():  # traced code has already warned in eager mode, or will not need to
         return
+    if device.type == "cpu" and CPU in _warned:  # the common case, once per forward: no device parsing
+        return
     path = backend(device)
     if path == CUDA_FP8 or path in _warned:
         return

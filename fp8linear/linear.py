@@ -239,11 +239,12 @@ class FP8Linear(nn.Module):
             yield "input_scale", self.input_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Decode calls small layers hundreds of times per token: the Python here costs
+        # as much as the kernels for SmolLM2's 576 x 576, so nothing is done twice.
         warn_once_if_not_native(x.device)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        leading = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         config = self.config
         if config.activations == "none":
             a, scale_a = x2d, self.unit_scale
@@ -258,7 +259,7 @@ class FP8Linear(nn.Module):
         # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t()
         scale_b = self.weight_scale.reshape(1, -1) if self.weight_scale.dim() else self.weight_scale
         out = ops.scaled_mm(a, self.weight.t(), scale_a, scale_b, bias=self.bias, out_dtype=x.dtype)
-        return out.reshape(*leading, self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

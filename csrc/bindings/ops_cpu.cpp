@@ -35,6 +35,7 @@ void advise_huge_pages(const at::Tensor& tensor) {
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
 constexpr int64_t kQuantizeChunk = 1 << 18;
+constexpr int64_t kScaledMmGrain = 1 << 16;
 
 // One scale for the whole tensor: a parallel amax, then a parallel quantize.
 // Long rows are split by columns so that a single huge row still uses every thread.
@@ -158,7 +159,11 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   });
   // ... then each thread takes whole tiles of the output.
   const int64_t tiles_m = (m + plan.tile_m - 1) / plan.tile_m, tiles_n = (n + plan.tile_n - 1) / plan.tile_n;
-  at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t begin, int64_t end) {
+  // A thread's share must be worth waking it: below ~64K multiply-adds (a 64 x 64
+  // layer at M = 1: 4K) the pool's start-up costs more than the work.
+  const int64_t tile_work = std::max<int64_t>(1, std::min(m, plan.tile_m) * std::min(n, plan.tile_n) * p.k);
+  const int64_t grain = std::max<int64_t>(1, kScaledMmGrain / tile_work);
+  at::parallel_for(0, tiles_m * tiles_n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
       // consecutive tiles of one tile row are merged into one call: fewer setups per thread
       const int64_t tile_row = t / tiles_n, first_col = t % tiles_n;
