@@ -34,7 +34,7 @@ def test_odd_shapes(m, k, n, cpu_variant):
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny | tile; 777: three row chunks
-@pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536)])
+@pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
 
