@@ -32,6 +32,16 @@ def test_dynamic_matches_reference(shape, x_dtype, dtype, granularity, cpu_varia
     _assert_matches_reference(_data(shape, x_dtype), dtype=dtype, granularity=granularity)
 
 
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale", [None, 1.0, 0.37, 3e-5, 1234.5])
+def test_every_bf16_value(dtype, scale, cpu_variant):
+    # all 65536 bit patterns (NaN, inf, subnormals, -0 among them), shuffled so that each
+    # kind lands in every lane of the vector loops
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    _assert_matches_reference(x, None if scale is None else torch.tensor(scale), dtype=dtype)
+
+
 @pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 def test_static_scale_matches_reference(x_dtype, dtype, cpu_variant):

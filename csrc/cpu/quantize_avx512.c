@@ -54,7 +54,7 @@ AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype
 }
 
 typedef struct {
-  __m512i max_bits, max_code, min_normal_bits, magic_bits, rebias, round_half, shift_mask;
+  __m512i max_code, min_normal_bits, magic_bits, rebias_round_half, shift_mask;
   __m512 magic;
   int shift;
 } encode_constants;
@@ -64,34 +64,38 @@ AVX512_TARGET static inline encode_constants make_constants(fp8_format format) {
   const int bias = format == FP8_E4M3FN ? 7 : 15;
   encode_constants c;
   c.shift = 23 - mantissa_bits;
-  c.max_bits = _mm512_set1_epi32((int)fp8_float_bits(fp8_format_max(format)));
   c.max_code = _mm512_set1_epi32(format == FP8_E4M3FN ? FP8_E4M3FN_MAX_CODE : FP8_E5M2_MAX_CODE);
   c.min_normal_bits = _mm512_set1_epi32((127 + 1 - bias) << 23);
   c.magic_bits = _mm512_set1_epi32((127 + 1 - bias - mantissa_bits + 23) << 23);
   c.magic = _mm512_castsi512_ps(c.magic_bits);
-  c.rebias = _mm512_set1_epi32((int)((uint32_t)(bias - 127) << 23));
-  c.round_half = _mm512_set1_epi32((1 << (c.shift - 1)) - 1);
+  c.rebias_round_half = _mm512_set1_epi32((int)(((uint32_t)(bias - 127) << 23) + ((1u << (c.shift - 1)) - 1u)));
   c.shift_mask = _mm512_set1_epi32(1);
   return c;
 }
 
-AVX512_TARGET static inline __m128i encode16(__m512 y, const encode_constants* c) {
+/* The fp8 code of each float32 lane (in the low byte of the lane). */
+AVX512_TARGET static inline __m512i encode16_lanes(__m512 y, const encode_constants* c) {
   const __m512i u = _mm512_castps_si512(y);
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
   const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
   /* normal numbers: round to nearest even at the format's mantissa width */
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, (unsigned)c->shift), c->shift_mask);
-  __m512i code = _mm512_add_epi32(_mm512_add_epi32(magnitude, c->rebias), _mm512_add_epi32(c->round_half, odd));
+  __m512i code = _mm512_add_epi32(_mm512_add_epi32(magnitude, c->rebias_round_half), odd);
   code = _mm512_srli_epi32(code, (unsigned)c->shift);
   /* subnormals: let the FPU round by adding a magic number whose ulp is the step */
   const __mmask16 is_subnormal = _mm512_cmplt_epu32_mask(magnitude, c->min_normal_bits);
   const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(magnitude), c->magic);
   code = _mm512_mask_sub_epi32(code, is_subnormal, _mm512_castps_si512(sum), c->magic_bits);
-  const __mmask16 saturates = _mm512_cmpge_epu32_mask(magnitude, c->max_bits);
-  code = _mm512_mask_mov_epi32(code, saturates, c->max_code);
+  /* saturation: the code grows with the magnitude, and every magnitude from FMAX up
+   * (inf included) has a code at or above FMAX's */
+  code = _mm512_min_epu32(code, c->max_code);
   const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F800000));
   code = _mm512_mask_mov_epi32(code, is_nan, _mm512_set1_epi32(0x7F));
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+  return _mm512_or_si512(code, sign);
+}
+
+AVX512_TARGET static inline __m128i encode16(__m512 y, const encode_constants* c) {
+  return _mm512_cvtepi32_epi8(encode16_lanes(y, c));
 }
 
 AVX512_TARGET void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype, int64_t n,
@@ -101,6 +105,21 @@ AVX512_TARGET void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype
   const char* bytes = (const char*)x;
   const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
   int64_t i = 0;
+  if (dtype == FP8_BFLOAT16) {
+    /* 32 bf16 at a time, split into even and odd elements by shifts (no shuffles:
+     * bf16 is the high half of a float32); the two sets of codes then interleave
+     * back into order as the bytes of 16-bit lanes (one narrowing) */
+    for (; i + 32 <= n; i += 32) {
+      prefetch_ahead(bytes + i * size, size);
+      const __m512i v = _mm512_loadu_si512((const uint16_t*)x + i);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+      const __m512i codes_even = encode16_lanes(_mm512_div_ps(even, divisor), &c);
+      const __m512i codes_odd = encode16_lanes(_mm512_div_ps(odd, divisor), &c);
+      const __m512i pairs = _mm512_or_si512(codes_even, _mm512_slli_epi32(codes_odd, 8));
+      _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi32_epi16(pairs));
+    }
+  }
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(bytes + i * size, size);
     /* a true division: x * (1 / scale) would round differently */
