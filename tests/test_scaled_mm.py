@@ -33,7 +33,15 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny | tile; 777: three row chunks
+@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("k", [1, 63, 64, 65, 1025])
+@pytest.mark.parametrize("n", [1, 15, 17, 33])
+def test_skinny_kernel_tails(m, k, n, cpu_variant):
+    # 9..16 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64
+    _check(*_operands(m, k, n))
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny | tile; 777: several row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)

@@ -90,7 +90,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     } else {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = round_up(p->m, 16);
-      plan.tile_m = plan.m_padded; /* every thread sweeps all rows over its own weight rows */
+      plan.tile_m = plan.m_padded; /* all rows per tile; the bindings split M too when N alone does not even out */
       plan.tile_n = 64;
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);

@@ -15,9 +15,10 @@
  * contiguous row of K bytes), so no persistent prepacked copy is needed:
  * - dot kernel (small M, GEMV): stream weight rows once, dot them against every
  *   activation row held widened in a workspace, reduce each sum at the end;
- * - tile kernel (large M, GEMM): widen a panel of weight rows into an L2-sized
- *   buffer once per call and reuse it for all M rows; activations are packed so
- *   that one vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
+ * - tile kernel (large M, GEMM): widen a panel of weight rows into an L1/L2-sized
+ *   buffer and reuse it for a chunk of up to 384 rows (widened again per chunk and
+ *   per row tile, 1/384 of the work or less); activations are packed so that one
+ *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
  * - skinny kernel (9 <= M <= 16): the tile kernel's data layout for one group of
  *   16 rows, with the widening of the next small panel interleaved with the dot
  *   products of the current one.
@@ -177,9 +178,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
 
 /* Weight rows are the outer loop: each block of them is read from memory once and
  * reused from L1 by every block of up to 4 activation rows, four weight rows at a
- * time. Up to 4 activation rows (decode) read one weight row at a time instead:
- * one sequential stream per thread runs closer to the memory's bandwidth than four
- * streams a row apart (14336 x 4096, 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
+ * time. One activation row, or up to 4 whose widened values fit in half of L1
+ * (decode), read one weight row at a time instead: one sequential stream per thread
+ * runs closer to the memory's bandwidth than four streams a row apart (14336 x 4096,
+ * 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
 #define DOT_CASE(ROWS, COLS) \
   case ROWS: dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); break;
 #define DOT_ROW_BLOCKS(COLS)                                            \
@@ -340,7 +342,7 @@ BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float
     const __m512 bias = load_bias16(p, n, mask);
     for (int64_t r0 = 0; r0 < m_end - m_begin; r0 += 16) {
       __m512 block[16];
-      for (int c = 0; c < 16; ++c) block[c] = _mm512_loadu_ps(sums + (c0 + c) * rows + r0); /* columns past `cols` hold zeros */
+      for (int c = 0; c < 16; ++c) block[c] = _mm512_loadu_ps(sums + (c0 + c) * rows + r0); /* columns past `cols` are never stored */
       transpose16(block);
       const int64_t valid_rows = m_end - m_begin - r0 < 16 ? m_end - m_begin - r0 : 16;
       for (int64_t j = 0; j < valid_rows; ++j) {
@@ -443,6 +445,8 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
   _mm512_store_si512(dest + 32, out1);
 }
 
+/* Rows [m_begin, m_end): one group of at most 16, m_begin a multiple of 16 (the
+ * plan's single row tile when M <= 16). */
 BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                       const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
                                       int64_t n_end) {
