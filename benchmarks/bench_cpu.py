@@ -1,6 +1,6 @@
 """CPU benchmark: FP8Linear against what a user would pick instead, in one run.
 
-    python benchmarks/bench_cpu.py            # full run (about 15 minutes on 2 cores)
+    python benchmarks/bench_cpu.py            # full run (3-4 minutes on 2 cores)
     python benchmarks/bench_cpu.py --smoke    # seconds; part of the tests
 
 For each weight shape (Llama-3-8B's and SmolLM2-135M's) and each number of rows M,
@@ -10,7 +10,9 @@ Decode-sized cases (M <= 16) cycle through enough copies of the layer that each
 format reads >= 1 GB of weights per pass: one layer timed in a loop would measure
 the cache, where an fp8 layer fits and its bf16 twin doesn't. Contenders are timed
 in turn within each repetition (so drifting machine load hits all of them) and the
-median is reported. The machine's read bandwidth is measured in the same run.
+median is reported. The machine's read bandwidth is measured in the same run, and
+for each M = 1 layer (and for quantize_fp8) a plain read loop runs alternately with
+FP8Linear over the same bytes: the % column compares the two in the same moments.
 
 Writes benchmarks/results/cpu.md and cpu.png (speedup over bf16 vs M).
 """
