@@ -11,8 +11,9 @@ format reads >= 1 GB of weights per pass: one layer timed in a loop would measur
 the cache, where an fp8 layer fits and its bf16 twin doesn't. Contenders are timed
 in turn within each repetition (so drifting machine load hits all of them) and the
 median is reported. The machine's read bandwidth is measured in the same run, and
-for each M = 1 layer (and for quantize_fp8) a plain read loop runs alternately with
-FP8Linear over the same bytes: the % column compares the two in the same moments.
+a plain read loop runs alternately with each M = 1 layer over the same weight bytes
+(and with quantize_fp8 over a buffer 8x its input): the percentages compare the two
+in the same moments.
 
 Writes benchmarks/results/cpu.md and cpu.png (speedup over bf16 vs M).
 """
