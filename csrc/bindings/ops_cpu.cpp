@@ -113,22 +113,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
   return {q, scale.has_value() ? scale->clone() : scales};
 }
 
-// The kernels' tiles as the plan sizes them can leave threads idle on small layers: 576
-// weight rows are 9 tiles of 64, 5 for one thread and 4 for the other. Splitting M
-// too (row tiles of whole groups of 16 rows), or N
-// finer for the skinny kernel (16 rows, 16 columns at a time), evens the shares
-// out (SmolLM2's 576 x 1536 at M = 2048, 2 threads: 0.72x -> 0.81x of bf16 nn.Linear
-// measured side by side).
+// The tile kernel's tiles as the plan sizes them can leave threads idle on small layers:
+// 576 weight rows are 9 tiles of 64, 5 for one thread and 4 for the other. Splitting M
+// too, into row tiles of whole groups of 16 rows (at least 96 rows each), evens the
+// shares out (SmolLM2's 576 x 1536 at M = 2048, 2 threads: 0.72x -> 0.81x of bf16
+// nn.Linear measured side by side).
 fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) {
   if (plan.method != FP8_MM_BF16_TILE || threads <= 1) return plan;
   const auto waste = [&](int64_t tiles) {  // the busiest thread's excess over an even share
     const int64_t busiest = (tiles + threads - 1) / threads;
     return static_cast<double>(busiest * threads - tiles) / static_cast<double>(tiles);
   };
-  if (plan.m_padded <= 16) {
-    plan.tile_n = 16;
-    return plan;
-  }
   const int64_t tiles_n = (n + plan.tile_n - 1) / plan.tile_n;
   int64_t row_tiles = 1;
   while (waste(tiles_n * row_tiles) > 0.05 && plan.m_padded / (row_tiles + 1) >= 96) ++row_tiles;

@@ -91,7 +91,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* all rows per tile; the bindings split M too when N alone does not even out */
-      plan.tile_n = 64;
+      plan.tile_n = plan.m_padded == 16 ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
   } else if (plan.variant >= FP8_CPU_AVX2) {

@@ -87,8 +87,19 @@ BF16_TARGET ALWAYS_INLINE void permute64_bf16(__m512i v0, __m512i v1, __m512i* o
   *out1 = _mm512_permutex2var_epi16(v0, index1, v1);
 }
 
+/* The first `count` of 64 bytes (none for count <= 0: a load past the end of K reads nothing). */
 ALWAYS_INLINE __mmask64 tail_mask64(int64_t count) {
-  return count >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << count) - 1);
+  return count >= 64 ? ~(__mmask64)0 : count <= 0 ? (__mmask64)0 : (((__mmask64)1 << count) - 1);
+}
+
+/* 64 weight codes from `src` (the first `count` of them; zeros past it) widened into
+ * dest[0, 64), 64-byte aligned. */
+BF16_TARGET ALWAYS_INLINE void widen64_store(const widen_tables_t* t, const uint8_t* src, int64_t count,
+                                             uint16_t* dest) {
+  __m512i out0, out1;
+  widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), src), &out0, &out1);
+  _mm512_store_si512(dest, out0);
+  _mm512_store_si512(dest + 32, out1);
 }
 
 /* ---- activations: widened rows ------------------------------------------- */
@@ -310,10 +321,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
        * the hardware prefetchers follow (M = 64, 4096 x 4096, one thread: 7.2 ms per
        * call without, 5.1 ms with) */
       _mm_prefetch((const char*)(row + k0 + kk + TILE_K_BLOCK), _MM_HINT_T0);
-      __m512i out0, out1;
-      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(p->k - (k0 + kk)), row + k0 + kk), &out0, &out1);
-      _mm512_storeu_si512(dest + kk, out0);
-      _mm512_storeu_si512(dest + kk + 32, out1);
+      widen64_store(t, row + k0 + kk, p->k - (k0 + kk), dest + kk);
     }
   }
 }
@@ -437,12 +445,7 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
                                                 uint16_t* dest, const uint8_t* next_block_line) {
   _mm_prefetch((const char*)(row + SKINNY_PREFETCH), _MM_HINT_T0);
   _mm_prefetch((const char*)next_block_line, _MM_HINT_T1);
-  /* past the end of K (the step after the last) nothing is read: a zero mask */
-  const __mmask64 mask = k_left <= 0 ? (__mmask64)0 : tail_mask64(k_left);
-  __m512i out0, out1;
-  widen64(t, _mm512_maskz_loadu_epi8(mask, row), &out0, &out1);
-  _mm512_store_si512(dest, out0);
-  _mm512_store_si512(dest + 32, out1);
+  widen64_store(t, row, k_left, dest); /* the step after the last one reads nothing */
 }
 
 /* Rows [m_begin, m_end): one group of at most 16, m_begin a multiple of 16 (the
