@@ -23,7 +23,8 @@ demo: install
 test: install $(CUBLAS_STAMP)
 	FP8LINEAR_CUBLAS_INCLUDE=$(abspath $(CUBLAS_HEADERS))/nvidia/cu13/include $(PY) -m pytest -q
 
-# The CPU benchmark (3-4 minutes on 2 cores): benchmarks/results/cpu.md and cpu.png.
+# The CPU benchmark (3-4 minutes on 2 cores): benchmarks/results/cpu-FAMILY.md and .png,
+# one pair per CPU family (cpu-amd-zen, cpu-intel-amx, ...).
 # torchao goes into a folder of its own, which only the benchmark puts on its path
 # to try torchao's CPU float8 linear: installed beside the demo, transformers would
 # import it at every model load.

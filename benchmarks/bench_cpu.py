@@ -15,14 +15,17 @@ a plain read loop runs alternately with each M = 1 layer over the same weight by
 (and with quantize_fp8 over a buffer 8x its input): the percentages compare the two
 in the same moments.
 
-Writes benchmarks/results/cpu.md and cpu.png (speedup over bf16 vs M).
+Writes benchmarks/results/cpu-FAMILY.md and .png (speedup over bf16 vs M), one pair per
+CPU family (cpu-intel-amx, cpu-amd-zen, ...: the header names the CPU model and flags),
+so that a run on one CPU never overwrites another's results. A contender whose one
+call takes more than a few seconds (torch._scaled_mm on an Intel Xeon) is skipped
+with a note, so the run finishes on any CPU.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -36,13 +39,18 @@ from fp8linear import reference
 from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
-from common import MODEL_SHAPES, RESULTS, plot_speedup, select_shapes  # noqa: E402
+from common import CPU_FLAGS_OF_INTEREST, MODEL_SHAPES, RESULTS, cpu_description, plot_speedup, select_shapes  # noqa: E402
 
 SHAPES = MODEL_SHAPES
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
 DECODE_ROWS = 16            # up to here weights are cycled from DRAM
-SLOW_CONTENDERS = ("_scaled_mm", "fp32")
 WEIGHT_BYTES_PER_PASS = 1 << 30
+# A contender whose one call takes longer than this is not put in the timing loop
+# (torch._scaled_mm on an Intel Xeon: > 80 s for one M = 16 call of 14336 x 4096).
+SKIP_CALL_SECONDS = 3.0
+# ... and one whose call takes longer than this is sampled only FEW_SAMPLES times.
+SLOW_CALL_SECONDS = 0.3
+FEW_SAMPLES = 3
 
 
 def median_time(fn, items, repeats: int) -> float:
@@ -98,7 +106,29 @@ def layer_copies(n: int, k: int, rows: int, element_bytes: int, smoke: bool) -> 
     return max(2, -(-WEIGHT_BYTES_PER_PASS // (n * k * element_bytes)))
 
 
-def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table):
+def first_call_seconds(key, fn, item, rows, history, notes):
+    """Time one call of a contender (its warm-up), or skip it without calling when the
+    call at a smaller M, scaled by M (the work grows with M), predicts more than
+    SKIP_CALL_SECONDS. Returns the seconds, or None if it is skipped (with a note)."""
+    if key in history:
+        last_rows, last_seconds = history[key]
+        predicted = last_seconds * rows / last_rows
+        if predicted > SKIP_CALL_SECONDS:
+            notes.append(f"{key} at M = {rows}: skipped, one call would take ~{predicted:.0f} s "
+                         f"(M = {last_rows}: {last_seconds:.1f} s)")
+            return None
+    start = time.perf_counter()
+    fn(item)
+    seconds = time.perf_counter() - start
+    history[key] = (rows, seconds)
+    if seconds > SKIP_CALL_SECONDS:
+        notes.append(f"{key} at M = {rows}: skipped, one call took {seconds:.0f} s")
+        return None
+    return seconds
+
+
+def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, notes):
+    history = {}  # contender -> (rows, seconds of one call): predicts the next M's call
     for rows in rows_list:
         torch.manual_seed(0)
         source = torch.nn.Linear(k, n, bias=False)
@@ -123,15 +153,22 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table):
             contenders["read probe"] = (lambda layer: native().read_bandwidth_probe(layer.weight), fp8_layers)
         if torchao_make is not None:
             contenders["torchao"] = (lambda model: model(x), [torchao_make(torch.nn.Linear(k, n, bias=False).bfloat16())])
-        for fn, items in contenders.values():
-            fn(items[0])  # warm up: first-call costs stay out of the numbers
+        first_call, skipped = {}, []  # warm up (first-call costs stay out of the numbers), timing that call
+        for key, (fn, items) in list(contenders.items()):
+            seconds = first_call_seconds(key, fn, items[0], rows, history, notes)
+            if seconds is None:
+                del contenders[key]
+                skipped.append(key)
+            else:
+                first_call[key] = seconds
         times = {key: [] for key in contenders}
         for repeat in range(repeats):
             for key, (fn, items) in contenders.items():
-                if key in SLOW_CONTENDERS and rows > DECODE_ROWS and repeat >= 3:
-                    continue  # seconds per call at large M: three samples are enough
+                if first_call[key] * len(items) > SLOW_CALL_SECONDS and repeat >= FEW_SAMPLES:
+                    continue  # a pass of a second or more: a few samples are enough
                 times[key].append(median_time(fn, items, 1))
         result = {key: statistics.median(values) for key, values in times.items()}
+        result.update(dict.fromkeys(skipped))
         table.append((name, n, k, rows, result))
         print(format_row(table[-1]), flush=True)
 
@@ -140,9 +177,13 @@ def format_row(entry):
     name, n, k, rows, t = entry
     fp8 = t["fp8linear"]
     gbs = n * k / fp8 / 1e9
-    cells = [name, str(rows), f"{fp8 * 1e3:.3f}", f"{t['bf16'] * 1e3:.3f}", f"{t['bf16'] / fp8:.2f}x",
-             f"{t['fp32'] / fp8:.2f}x", f"{t['_scaled_mm'] / fp8:.1f}x",
-             f"{t['torchao'] / fp8:.2f}x" if "torchao" in t else "n/a", f"{gbs:.1f}",
+    def ratio(key, digits=2):  # None: the contender was skipped (too slow); absent: not run at all
+        if key not in t:
+            return "n/a"
+        return "skipped" if t[key] is None else f"{t[key] / fp8:.{digits}f}x"
+
+    cells = [name, str(rows), f"{fp8 * 1e3:.3f}", f"{t['bf16'] * 1e3:.3f}", ratio("bf16"), ratio("fp32"),
+             ratio("_scaled_mm", 1), ratio("torchao"), f"{gbs:.1f}",
              f"{2 * rows * n * k / fp8 / 1e12:.3f}"]
     probe = t.get("read probe")
     cells.append(f"{100 * probe / fp8:.0f}% of {n * k / probe / 1e9:.1f}" if probe else "")
@@ -166,7 +207,7 @@ def bench_quantize(elements: int, repeats: int):
     return statistics.median(ours), eager, elements * 3, read_gbs  # bytes: 2 read + 1 written per element
 
 
-def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
+def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed):
     args.output_dir.mkdir(parents=True, exist_ok=True)
     header = ("| layer (N x K) | M | fp8linear ms | bf16 ms | vs bf16 | vs fp32 | vs _scaled_mm | vs torchao "
               "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) |")
@@ -174,15 +215,18 @@ def write_results(args, table, bandwidth, quantize, torchao_note, elapsed):
         "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
         "",
         f"Command: `{' '.join([pathlib.Path(sys.executable).name, *sys.argv])}`  ",
+        f"CPU: {args.cpu['model']} ({args.cpu['vendor'] or 'unknown vendor'}; flags: "
+        f"{' '.join(args.cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS_OF_INTEREST)}); results family "
+        f"`{args.cpu['family']}`.  ",
         f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"CPU kernels: {native().cpu_variant()}; {platform.processor() or platform.machine()}; "
-        f"run took {elapsed / 60:.1f} min.  ",
+        f"fp8linear CPU kernels: {native().cpu_variant()}; run took {elapsed / 60:.1f} min.  ",
         f"Measured read bandwidth (all threads, {args.probe_gb:g} GB of random bytes, median of {args.probe_repeats} passes): "
         f"**{bandwidth:.1f} GB/s** ({args.probe_note}). This host's bandwidth changes by up to 2x from "
         "one minute to the next, so the % column compares each M = 1 layer with the same read probe run on "
         "its own fp8 weights in the same repetitions (\"95% of 49.6\": FP8Linear read at 95% of the "
         "49.6 GB/s the probe read meanwhile).  ",
         f"torchao: {torchao_note}.",
+        *([f"Skipped (one call would take more than {SKIP_CALL_SECONDS:g} s): " + "; ".join(notes) + "."] if notes else []),
         "",
         "Times are medians over repetitions of one pass over the layer copies; ratios > 1 mean FP8Linear is "
         f"faster. M <= {DECODE_ROWS} cycles through >= 1 GB of weights per format (from DRAM); larger M uses "
@@ -216,11 +260,14 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
-    parser.add_argument("--name", default="cpu", help="results file name (without suffix)")
+    parser.add_argument("--name", default=None,
+                        help="results file name without suffix (default: cpu-FAMILY, e.g. cpu-intel-amx, cpu-amd-zen)")
     parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--extra-path", type=pathlib.Path, default=None,
                         help="a folder with torchao installed (make bench puts it in .venv/bench-extras)")
     args = parser.parse_args(argv)
+    args.cpu = cpu_description()
+    args.name = args.name or f"cpu-{args.cpu['family']}"
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
@@ -240,16 +287,16 @@ def main(argv=None):
     torchao_make, torchao_note = try_torchao(args.extra_path)
     torchao_note = torchao_note or "runs on the CPU (column 'vs torchao')"
     print(f"torchao: {torchao_note}", flush=True)
-    table = []
+    table, notes = [], []
     for name, (n, k) in shapes.items():
-        bench_shape(name, n, k, rows_list, args.repeats, args.smoke, torchao_make, table)
+        bench_shape(name, n, k, rows_list, args.repeats, args.smoke, torchao_make, table, notes)
     quantize = bench_quantize(args.quantize_elements, args.repeats)
     # The probe is taken before and after: on a shared host it was seen to halve for a
     # while. Percentages use the larger of the two, so they err on the low side.
     bandwidth_after = read_bandwidth(args.probe_gb, probe_repeats)
     bandwidth = max(bandwidth_before, bandwidth_after)
     args.probe_note = f"{bandwidth_before:.1f} GB/s before the layers, {bandwidth_after:.1f} GB/s after"
-    write_results(args, table, bandwidth, quantize, torchao_note, time.perf_counter() - start)
+    write_results(args, table, bandwidth, quantize, torchao_note, notes, time.perf_counter() - start)
     print((args.output_dir / args.name).with_suffix(".md").read_text())
 
 

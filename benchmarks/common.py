@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import platform
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -13,6 +14,38 @@ MODEL_SHAPES = {  # name: (out_features N, in_features K)
     "SmolLM2 down 576x1536": (576, 1536),
     "SmolLM2 q/o 576x576": (576, 576),
 }
+
+
+# The CPU flags that decide which fp8linear kernels can run, in the order printed.
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512vbmi", "avx512_fp16", "amx_tile", "amx_bf16",
+                         "amx_int8")
+
+
+def cpu_description() -> dict:
+    """The CPU as /proc/cpuinfo names it: ``model``, ``vendor``, ``flags`` (those of
+    CPU_FLAGS_OF_INTEREST it has) and ``family``, a short name for the results file:
+    ``intel-amx``, ``intel``, ``amd-zen`` or the machine type. Results of different
+    families are kept side by side (their bandwidth and multiply units differ 2-3x)."""
+    model, vendor, flags = platform.processor() or platform.machine(), "", set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and model in ("", platform.processor(), platform.machine()):
+                model = value
+            elif key == "vendor_id":
+                vendor = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux: the family falls back to the machine type
+        pass
+    if vendor == "GenuineIntel":
+        family = "intel-amx" if "amx_tile" in flags else "intel"
+    elif vendor == "AuthenticAMD":
+        family = "amd-zen"
+    else:
+        family = platform.machine().lower() or "cpu"
+    return {"model": model, "vendor": vendor, "family": family,
+            "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
 
 
 def select_shapes(shapes: dict, keep: str | None) -> dict:
