@@ -56,14 +56,23 @@ typedef enum {
   FP8_CPU_AVX2 = 1,
   FP8_CPU_AVX512 = 2,      /* AVX-512 F/BW/VL */
   FP8_CPU_AVX512_BF16 = 3, /* + AVX512-BF16 dot products and AVX512-VBMI byte permutes */
-  FP8_CPU_VARIANT_COUNT = 4
+  FP8_CPU_AMX = 4,         /* + AMX-BF16 tile products for the GEMMs (Sapphire Rapids and later) */
+  /* The AMX kernels with every tile instruction replaced by a C model of it that
+   * follows Intel's pseudocode (and matches the hardware bit for bit): tests the AMX
+   * kernels' logic on any CPU with AVX512-BF16. Never picked as the best variant. */
+  FP8_CPU_AMX_EMULATED = 5,
+  FP8_CPU_VARIANT_COUNT = 6
 } fp8_cpu_variant;
 
 const char* fp8_cpu_variant_name(fp8_cpu_variant variant);
 /* The best variant this CPU (and OS) supports. */
 fp8_cpu_variant fp8_cpu_best_variant(void);
-/* Whether this CPU can run `variant`. */
+/* Whether this CPU can run `variant`. For AMX that takes CPUID (AMX-TILE, AMX-BF16, a tile
+ * palette of 8 tiles x 16 rows x 64 bytes), the OS (XCR0 tile state bits) and Linux's
+ * per-process permission (arch_prctl ARCH_REQ_XCOMP_PERM), requested once, here. */
 int fp8_cpu_variant_supported(fp8_cpu_variant variant);
+/* Why AMX is not used on this machine ("" if it is): for messages and tests. */
+const char* fp8_cpu_amx_status(void);
 /* The variant the kernels use now; set_variant returns 0 (and changes nothing)
  * if the CPU can't run it. Tests force each supported variant in turn. */
 fp8_cpu_variant fp8_cpu_active_variant(void);
@@ -80,15 +89,21 @@ void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t r
                       int64_t col_begin, int64_t col_end, const float* scale,
                       int64_t scale_row_stride);
 
-/* scaled_mm runs in three steps: plan (which kernel, how much workspace), prepare
+/* scaled_mm runs in three steps: plan (which kernel, how much memory), prepare
  * (activations widened into the workspace, rows [m_begin, m_end)), then compute
  * (outputs [m_begin, m_end) x [n_begin, n_end)). The bindings spread prepare over
- * rows and compute over tiles of the plan's sizes. */
+ * rows and compute over tiles of the plan's sizes. The caller provides all memory:
+ * the workspace, shared by the threads (prepare writes it, compute reads it), and a
+ * scratch area for each thread (panels and sums of the GEMM kernels), so that the
+ * kernels allocate nothing per call: a fresh buffer of a megabyte costs page faults,
+ * and on a VM that hands freed memory back to its host, faults through the host (the
+ * AMX kernel at M = 1024 ran at half speed in such phases). */
 typedef enum {
   FP8_MM_SCALAR = 0,     /* any strides; decodes through tables */
   FP8_MM_FLOAT_DOT = 1,  /* float32 FMA dot products (AVX2 / AVX-512, or float32/float16 activations) */
   FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
-  FP8_MM_BF16_TILE = 3   /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
+  FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
+  FP8_MM_AMX = 4         /* AMX tile products over the same packed activations (amx / amx_emulated variants) */
 } fp8_cpu_mm_method;
 
 typedef struct {
@@ -96,15 +111,16 @@ typedef struct {
   fp8_cpu_variant variant;
   int64_t k_padded;          /* K rounded up to the kernel's step; workspace rows have this length */
   int64_t m_padded;          /* M rounded up to the kernel's row block */
-  int64_t workspace_bytes;   /* scratch the caller provides, 64-byte aligned */
+  int64_t workspace_bytes;   /* shared by the threads, 64-byte aligned */
+  int64_t scratch_bytes;     /* per thread, 64-byte aligned */
   int64_t tile_m, tile_n;    /* a good work unit for one thread */
 } fp8_cpu_mm_plan;
 
 fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p);
 void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                               int64_t m_begin, int64_t m_end);
+                               void* scratch, int64_t m_begin, int64_t m_end);
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
-                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+                       void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* Reads bytes [0, bytes) of data once (XOR checksum): the benchmarks' memory probe. */
 uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);

@@ -74,10 +74,12 @@ bool cuda_built() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "fp8linear native kernels; use them through fp8linear.ops";
   module.def("cpu_variants_supported", &cpu_variants_supported,
-             "Names of the CPU kernel variants this CPU can run, slowest first.");
+             "Names of the CPU kernel variants this CPU can run (scalar first; amx_emulated, a test model of the AMX kernels, last).");
   module.def("cpu_variant", [] { return std::string(fp8_cpu_variant_name(fp8_cpu_active_variant())); },
              "The CPU kernel variant in use.");
   module.def("set_cpu_variant", &set_cpu_variant, "Force a CPU kernel variant (for tests and benchmarks).");
+  module.def("cpu_amx_status", [] { return std::string(fp8_cpu_amx_status()); },
+             "Why the AMX kernels are not used on this machine; empty if they are.");
   module.def("read_bandwidth_probe", &read_bandwidth_probe,
              "Read a contiguous CPU tensor once with all threads; returns a checksum (for benchmarks).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");

@@ -4,6 +4,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -20,17 +22,57 @@ namespace {
 // which for a memory-bound kernel can take longer than the kernel itself (64 MiB:
 // ~16k faults). Asking for transparent huge pages cuts that 512-fold; torch's CPU
 // allocator does the same only when THP_MEM_ALLOC_ENABLE=1 is set.
-void advise_huge_pages(const at::Tensor& tensor) {
+void advise_huge_pages(void* data, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kPage = 4096, kMinimum = 4 << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
-  const uintptr_t end = begin + static_cast<uintptr_t>(tensor.numel() * tensor.element_size());
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
   const uintptr_t aligned_begin = (begin + kPage - 1) & ~(kPage - 1), aligned_end = end & ~(kPage - 1);
   if (aligned_end > aligned_begin && aligned_end - aligned_begin >= kMinimum) {
     madvise(reinterpret_cast<void*>(aligned_begin), aligned_end - aligned_begin, MADV_HUGEPAGE);  // a hint: failure is harmless
   }
+#else
+  (void)data;
+  (void)bytes;
 #endif
 }
+
+void advise_huge_pages(const at::Tensor& tensor) { advise_huge_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size()); }
+
+// Memory for scaled_mm's kernels (the plan's workspace, then a scratch area per thread),
+// kept by each calling thread between calls and grown when a call needs more: fresh
+// buffers of megabytes per call cost page faults, and on VMs that hand freed memory
+// back to the host (free page reporting), faults through the host; the AMX kernel at
+// M = 1024 (8 MiB of workspace) ran at half speed in such phases. Calls that need more
+// than kKeptBytes (M x K beyond ~32 M elements) get a buffer of their own, freed after.
+class KernelMemory {
+ public:
+  uint8_t* get(int64_t bytes) {
+    if (bytes <= kept_bytes_) return kept_.get();
+    Buffer fresh(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(round_up(bytes, 64)))));
+    TORCH_CHECK(fresh, "fp8linear: could not allocate ", bytes, " bytes of scaled_mm workspace");
+    advise_huge_pages(fresh.get(), bytes);
+    if (bytes > kKeptBytes) {
+      once_ = std::move(fresh);
+      return once_.get();
+    }
+    kept_ = std::move(fresh);
+    kept_bytes_ = bytes;
+    return kept_.get();
+  }
+  void release_once() { once_.reset(); }
+
+  static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+ private:
+  static constexpr int64_t kKeptBytes = int64_t{64} << 20;
+  struct Free {
+    void operator()(uint8_t* pointer) const { std::free(pointer); }
+  };
+  using Buffer = std::unique_ptr<uint8_t, Free>;
+  Buffer kept_, once_;
+  int64_t kept_bytes_ = 0;
+};
 
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
@@ -119,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
 // shares out (SmolLM2's 576 x 1536 at M = 2048, 2 threads: 0.72x -> 0.81x of bf16
 // nn.Linear measured side by side).
 fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) {
-  if (plan.method != FP8_MM_BF16_TILE || threads <= 1) return plan;
+  if ((plan.method != FP8_MM_BF16_TILE && plan.method != FP8_MM_AMX) || threads <= 1) return plan;
   const auto waste = [&](int64_t tiles) {  // the busiest thread's excess over an even share
     const int64_t busiest = (tiles + threads - 1) / threads;
     return static_cast<double>(busiest * threads - tiles) / static_cast<double>(tiles);
@@ -145,13 +187,19 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
-  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&p), n, at::get_num_threads());
-  at::Tensor workspace = at::empty({plan.workspace_bytes}, a.options().dtype(at::kByte));
-  advise_huge_pages(workspace);
+  const int64_t threads = at::get_num_threads();
+  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&p), n, threads);
+  thread_local KernelMemory kernel_memory;
+  const int64_t workspace_bytes = KernelMemory::round_up(plan.workspace_bytes, 64);
+  const int64_t scratch_bytes = KernelMemory::round_up(plan.scratch_bytes, 64);
+  uint8_t* const workspace = kernel_memory.get(workspace_bytes + threads * scratch_bytes);
+  // Each thread of the pool has its own scratch area. A call made inside another parallel
+  // region runs its loops on the calling thread alone, whose number may exceed the pool's.
+  const auto scratch = [&] { return workspace + workspace_bytes + (at::get_thread_num() % threads) * scratch_bytes; };
   // Activations are widened once (rows in blocks of 16: the tile kernel packs 16 rows together) ...
   const int64_t row_blocks = (m + 15) / 16;
   at::parallel_for(0, row_blocks, 1, [&](int64_t begin, int64_t end) {
-    fp8_cpu_scaled_mm_prepare(&p, &plan, workspace.data_ptr(), begin * 16, std::min(m, end * 16));
+    fp8_cpu_scaled_mm_prepare(&p, &plan, workspace, scratch(), begin * 16, std::min(m, end * 16));
   });
   // ... then each thread takes whole tiles of the output.
   const int64_t tiles_m = (m + plan.tile_m - 1) / plan.tile_m, tiles_n = (n + plan.tile_n - 1) / plan.tile_n;
@@ -165,11 +213,12 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
       const int64_t tile_row = t / tiles_n, first_col = t % tiles_n;
       const int64_t last_col = std::min(tiles_n, first_col + (end - t));
       const int64_t m0 = tile_row * plan.tile_m;
-      fp8_cpu_scaled_mm(&p, &plan, workspace.data_ptr(), m0, std::min(m, m0 + plan.tile_m), first_col * plan.tile_n,
+      fp8_cpu_scaled_mm(&p, &plan, workspace, scratch(), m0, std::min(m, m0 + plan.tile_m), first_col * plan.tile_n,
                         std::min(n, last_col * plan.tile_n));
       t += last_col - first_col;
     }
   });
+  kernel_memory.release_once();
   return out;
 }
 

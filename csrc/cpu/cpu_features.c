@@ -1,11 +1,28 @@
+/* syscall() is declared by unistd.h only with _GNU_SOURCE when compiled as strict C11
+ * (g++ defines it already) */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 /* Which CPU kernel variant runs: detected once from CPUID/XGETBV (never from
- * compile flags), overridable for tests. */
+ * compile flags) and, for AMX, from the OS's permission; overridable for tests. */
 #include <stddef.h>
 
 #include "cpu_internal.h"
 
+typedef struct {
+  fp8_cpu_variant best_without_amx; /* scalar .. avx512_bf16 */
+  int amx_usable;
+  const char* amx_status;           /* "" when AMX is usable, else why not */
+} cpu_features;
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+
+#if defined(__linux__)
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static uint64_t read_xcr0(void) {
   uint32_t eax, edx;
@@ -13,14 +30,55 @@ static uint64_t read_xcr0(void) {
   return ((uint64_t)edx << 32) | eax;
 }
 
-static fp8_cpu_variant detect_best_variant(void) {
+/* Linux lets a process use the AMX tile data (8 KiB more state per thread) only after
+ * asking, once per process: without it the first tile instruction raises SIGILL. The
+ * answer covers every thread of the process, present and future. */
+static const char* request_amx_permission(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+  uint64_t permitted = 0;
+  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &permitted) == 0 && (permitted >> XFEATURE_XTILEDATA) & 1)
+    return "";
+  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+    /* ENOSPC: a thread's signal stack is too small for the tile state; EINVAL: an old kernel */
+    return errno == ENOSPC ? "Linux refused AMX permission (arch_prctl: a signal stack is too small for the tile state)"
+                           : "Linux refused AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM failed; kernel older than 5.16?)";
+  }
+  permitted = 0;
+  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &permitted) != 0 || !((permitted >> XFEATURE_XTILEDATA) & 1))
+    return "Linux did not grant AMX permission (arch_prctl ARCH_GET_XCOMP_PERM)";
+  return "";
+#else
+  return "AMX is used on Linux only (its per-process permission is requested with arch_prctl)";
+#endif
+}
+
+/* AMX is used only when every layer agrees: the CPU (CPUID leaf 7: AMX-TILE, AMX-BF16),
+ * the OS (XCR0: tile config and data state enabled), a palette with 8 tiles of 16 rows
+ * x 64 bytes (CPUID leaf 0x1D: some VMs advertise AMX without one, and fault on use),
+ * and the per-process permission. Anything less falls back to the AVX512-BF16 kernels. */
+static const char* detect_amx(uint64_t xcr0, uint32_t leaf7_edx) {
+  if (!((leaf7_edx >> 24) & 1) || !((leaf7_edx >> 22) & 1)) return "the CPU has no AMX-TILE / AMX-BF16 (CPUID leaf 7)";
+  if ((xcr0 & 0x60000) != 0x60000) return "the OS has not enabled the AMX tile state (XCR0 bits 17-18)";
   uint32_t eax, ebx, ecx, edx;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return FP8_CPU_SCALAR;
+  if (!__get_cpuid_count(0x1D, 0, &eax, &ebx, &ecx, &edx) || eax < 1) return "CPUID leaf 0x1D reports no tile palette";
+  __get_cpuid_count(0x1D, 1, &eax, &ebx, &ecx, &edx);
+  const uint32_t bytes_per_tile = eax >> 16, bytes_per_row = ebx & 0xFFFF, tiles = ebx >> 16, rows = ecx & 0xFFFF;
+  if (bytes_per_tile < 1024 || bytes_per_row < 64 || tiles < 8 || rows < 16)
+    return "tile palette 1 is smaller than 8 tiles of 16 rows x 64 bytes (CPUID leaf 0x1D)";
+  return request_amx_permission();
+}
+
+static cpu_features detect(void) {
+  cpu_features features = {FP8_CPU_SCALAR, 0, "the CPU has no AVX-512"};
+  uint32_t eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return features;
   const int osxsave = (ecx >> 27) & 1, has_fma = (ecx >> 12) & 1, has_f16c = (ecx >> 29) & 1;
-  if (!osxsave) return FP8_CPU_SCALAR;
+  if (!osxsave) return features;
   const uint64_t xcr0 = read_xcr0();
   const int os_avx = (xcr0 & 0x6) == 0x6, os_avx512 = (xcr0 & 0xE6) == 0xE6;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return FP8_CPU_SCALAR;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return features;
+  const uint32_t leaf7_edx = edx;
   const int has_avx2 = (ebx >> 5) & 1;
   const int has_avx512 = ((ebx >> 16) & 1) /* F */ && ((ebx >> 30) & 1) /* BW */ &&
                          ((ebx >> 31) & 1) /* VL */ && ((ebx >> 17) & 1) /* DQ */;
@@ -34,29 +92,50 @@ static fp8_cpu_variant detect_best_variant(void) {
   if (best == FP8_CPU_AVX2 && os_avx512 && has_avx512) best = FP8_CPU_AVX512;
   /* Cooper Lake has AVX512-BF16 without VBMI: it takes the AVX-512 variant */
   if (best == FP8_CPU_AVX512 && has_avx512_bf16 && has_avx512_vbmi) best = FP8_CPU_AVX512_BF16;
-  return best;
+  features.best_without_amx = best;
+  /* the AMX kernels widen and pack with the AVX512-BF16 variant's code */
+  features.amx_status = best == FP8_CPU_AVX512_BF16 ? detect_amx(xcr0, leaf7_edx)
+                                                    : "the CPU lacks AVX512-BF16 / VBMI, which the AMX kernels also use";
+  features.amx_usable = features.amx_status[0] == '\0';
+  return features;
 }
 #else
-static fp8_cpu_variant detect_best_variant(void) { return FP8_CPU_SCALAR; }
+static cpu_features detect(void) {
+  cpu_features features = {FP8_CPU_SCALAR, 0, "not an x86-64 CPU"};
+  return features;
+}
 #endif
 
-/* -1 = not detected yet (GCC atomics: valid in both C and C++). Detection is
- * idempotent, so a race only repeats it. */
-static int best_variant = -1;
+/* Detected once; a race between first calls only repeats the detection (and the
+ * permission request, which is idempotent), with the same result. */
+static cpu_features features;
+static int features_ready = 0; /* GCC atomics: valid in both C and C++ */
 static int active_variant = -1;
 
-fp8_cpu_variant fp8_cpu_best_variant(void) {
-  int best = __atomic_load_n(&best_variant, __ATOMIC_ACQUIRE);
-  if (best < 0) {
-    best = (int)detect_best_variant();
-    __atomic_store_n(&best_variant, best, __ATOMIC_RELEASE);
+static const cpu_features* get_features(void) {
+  if (!__atomic_load_n(&features_ready, __ATOMIC_ACQUIRE)) {
+    const cpu_features detected = detect();
+    features = detected;
+    __atomic_store_n(&features_ready, 1, __ATOMIC_RELEASE);
   }
-  return (fp8_cpu_variant)best;
+  return &features;
+}
+
+fp8_cpu_variant fp8_cpu_best_variant(void) {
+  const cpu_features* f = get_features();
+  return f->amx_usable ? FP8_CPU_AMX : f->best_without_amx;
 }
 
 int fp8_cpu_variant_supported(fp8_cpu_variant variant) {
-  return variant >= FP8_CPU_SCALAR && variant <= fp8_cpu_best_variant();
+  const cpu_features* f = get_features();
+  switch (variant) {
+    case FP8_CPU_AMX: return f->amx_usable;
+    case FP8_CPU_AMX_EMULATED: return f->best_without_amx >= FP8_CPU_AVX512_BF16;
+    default: return variant >= FP8_CPU_SCALAR && variant <= f->best_without_amx;
+  }
 }
+
+const char* fp8_cpu_amx_status(void) { return get_features()->amx_status; }
 
 fp8_cpu_variant fp8_cpu_active_variant(void) {
   const int active = __atomic_load_n(&active_variant, __ATOMIC_ACQUIRE);
@@ -70,6 +149,7 @@ int fp8_cpu_set_variant(fp8_cpu_variant variant) {
 }
 
 const char* fp8_cpu_variant_name(fp8_cpu_variant variant) {
-  static const char* const names[FP8_CPU_VARIANT_COUNT] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+  static const char* const names[FP8_CPU_VARIANT_COUNT] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx",
+                                                           "amx_emulated"};
   return (variant >= 0 && variant < FP8_CPU_VARIANT_COUNT) ? names[variant] : "unknown";
 }

@@ -43,11 +43,33 @@ static inline void fp8_store_float(void* out, fp8_float_dtype dtype, int64_t i, 
   }
 }
 
-/* The AVX512-BF16 kernels (gemm_avx512_bf16.c). */
-void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+/* The AVX512-BF16 kernels (gemm_avx512_bf16.c); scratch: fp8_bf16_scratch_bytes per thread. */
+int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
+void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,
                       int64_t m_begin, int64_t m_end);
 void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
-                      int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+/* Where the float32 sum of output column c, row r (both from 0) of a block lies:
+ * sums[(c / 16) * col_group + (c % 16) * col + (r / 16) * row_group + r % 16]. */
+typedef struct {
+  int64_t col, col_group, row_group;
+} fp8_sums_layout;
+
+/* sums[col][row], `rows` (a multiple of 16) floats per column. */
+static inline fp8_sums_layout fp8_sums_by_column(int64_t rows) {
+  fp8_sums_layout layout = {rows, 16 * rows, 16};
+  return layout;
+}
+
+/* Sums -> out rows [m_begin, m_end) x columns [n0, n0 + cols), scaled, biased, rounded. */
+void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, fp8_sums_layout layout,
+                            int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols);
+
+/* The AMX kernels (gemm_amx.c): plan->variant picks the real tile instructions or
+ * their C model; activations packed by fp8_bf16_prepare. */
+int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan);
+void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                     void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* The float32 FMA kernels (gemm_float.c); plan->k_padded is a multiple of 16. */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,

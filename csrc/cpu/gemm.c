@@ -63,6 +63,8 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
  * dot / skinny, 4096 x 4096: M = 8 0.57 / 0.65, M = 9 0.68 / 0.66, M = 10 0.71 / 0.66;
  * 1536 x 576: M = 8 0.043 / 0.046, M = 9 0.051 / 0.044. */
 enum { DOT_MAX_ROWS = 8 };
+/* From this many rows the AMX variants use tile products instead of the dot kernel. */
+enum { AMX_MIN_ROWS = 9 };
 
 static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -81,12 +83,18 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
   /* bf16 dot products are exact for fp8 and bf16 activations only. */
   const int activations_fit_bf16 = !p->a_is_float || p->a_float_dtype == FP8_BFLOAT16;
   if (p->k == 0 || !weight_rows_contiguous) return plan;
+  const int amx = plan.variant == FP8_CPU_AMX || plan.variant == FP8_CPU_AMX_EMULATED;
   if (plan.variant >= FP8_CPU_AVX512_BF16 && activations_fit_bf16) {
     plan.k_padded = round_up(p->k, 64);
-    if (p->m <= DOT_MAX_ROWS) {
+    if (p->m < (amx ? AMX_MIN_ROWS : DOT_MAX_ROWS + 1)) {
       plan.method = FP8_MM_BF16_DOT;
       plan.tile_m = p->m;
       plan.tile_n = 16;
+    } else if (amx) {
+      plan.method = FP8_MM_AMX;
+      plan.m_padded = round_up(p->m, 16);
+      plan.tile_m = plan.m_padded; /* as the tile kernel: the bindings split M too when N alone does not even out */
+      plan.tile_n = 64;
     } else {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = round_up(p->m, 16);
@@ -94,6 +102,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.tile_n = plan.m_padded == 16 ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
+    plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);
   } else if (plan.variant >= FP8_CPU_AVX2) {
     plan.method = FP8_MM_FLOAT_DOT;
     plan.k_padded = round_up(p->k, 16);
@@ -105,20 +114,21 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
 }
 
 void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                               int64_t m_begin, int64_t m_end) {
-  if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE)
-    fp8_bf16_prepare(p, plan, workspace, m_begin, m_end);
+                               void* scratch, int64_t m_begin, int64_t m_end) {
+  if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
+    fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
     fp8_float_prepare(p, plan, workspace, m_begin, m_end);
 }
 
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
-                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+                       void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
   if (m_end > p->m) m_end = p->m;
   if (m_begin >= m_end || n_begin >= n_end) return;
   switch (plan->method) {
     case FP8_MM_BF16_DOT:
-    case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
+    case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
+    case FP8_MM_AMX: fp8_amx_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_FLOAT_DOT: fp8_float_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
     default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
   }

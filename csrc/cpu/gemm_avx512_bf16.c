@@ -4,12 +4,8 @@
  * exactly into float32 sums, so widening fp8 -> bf16 in registers gives the
  * same products an FP8 tensor core would, at half the weight bytes of bf16.
  *
- * Widening: 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte
- * table lookups (vpermt2b: high and low byte of each bf16, indexed by the 7
- * magnitude bits), the sign OR-ed into the high byte, and an interleave. The
- * interleave (vpunpck{l,h}bw) works within 128-bit lanes, so the 64 values come
- * out permuted; activations are widened with the same permutation, and a dot
- * product does not care about the order of its terms.
+ * Widening (bf16_widen.h): two byte-table lookups per 64 fp8 codes, in an
+ * "interleave order" that activations share.
  *
  * Weights are read in their canonical layout (b = w.t(): each output column is a
  * contiguous row of K bytes), so no persistent prepacked copy is needed:
@@ -27,79 +23,25 @@
  * products it adds as much), so the kernels are shaped to widen each weight as few
  * times as possible and never in long runs of their own.
  */
-#include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_internal.h"
-
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* ---- widening tables ------------------------------------------------------ */
+#include "bf16_widen.h"
 
 /* [format][0 = high byte, 1 = low byte][magnitude]: the bf16 bits of each code. */
-static uint8_t widen_tables[2][2][128] __attribute__((aligned(64)));
+uint8_t fp8_bf16_widen_tables[2][2][128] __attribute__((aligned(64)));
 static int widen_tables_ready = 0;
 
-static void build_widen_tables(void) {
+void fp8_bf16_build_widen_tables(void) {
   if (__atomic_load_n(&widen_tables_ready, __ATOMIC_ACQUIRE)) return;
   for (int format = 0; format < 2; ++format) {
     for (int magnitude = 0; magnitude < 128; ++magnitude) {
       const uint16_t bits = fp8_float_to_bf16(fp8_to_float((uint8_t)magnitude, (fp8_format)format));
-      widen_tables[format][0][magnitude] = (uint8_t)(bits >> 8);
-      widen_tables[format][1][magnitude] = (uint8_t)(bits & 0xFF);
+      fp8_bf16_widen_tables[format][0][magnitude] = (uint8_t)(bits >> 8);
+      fp8_bf16_widen_tables[format][1][magnitude] = (uint8_t)(bits & 0xFF);
     }
   }
   __atomic_store_n(&widen_tables_ready, 1, __ATOMIC_RELEASE);
-}
-
-typedef struct {
-  __m512i high0, high1, low0, low1, sign;
-} widen_tables_t;
-
-BF16_TARGET ALWAYS_INLINE widen_tables_t load_widen_tables(fp8_format format) {
-  widen_tables_t t;
-  t.high0 = _mm512_load_si512(widen_tables[format][0]);
-  t.high1 = _mm512_load_si512(widen_tables[format][0] + 64);
-  t.low0 = _mm512_load_si512(widen_tables[format][1]);
-  t.low1 = _mm512_load_si512(widen_tables[format][1] + 64);
-  t.sign = _mm512_set1_epi8((char)0x80);
-  return t;
-}
-
-/* 64 fp8 codes -> 2 x 32 bf16 in "interleave order": out0 holds elements
- * 0-7, 16-23, 32-39, 48-55 and out1 the others. */
-BF16_TARGET ALWAYS_INLINE void widen64(const widen_tables_t* t, __m512i codes, __m512i* out0, __m512i* out1) {
-  __m512i high = _mm512_permutex2var_epi8(t->high0, codes, t->high1);
-  const __m512i low = _mm512_permutex2var_epi8(t->low0, codes, t->low1);
-  high = _mm512_ternarylogic_epi32(high, codes, t->sign, 0xF8); /* high | (codes & 0x80) */
-  *out0 = _mm512_unpacklo_epi8(low, high);
-  *out1 = _mm512_unpackhi_epi8(low, high);
-}
-
-/* The same permutation for 64 bf16 values already in memory (weight-only, bf16 input). */
-BF16_TARGET ALWAYS_INLINE void permute64_bf16(__m512i v0, __m512i v1, __m512i* out0, __m512i* out1) {
-  const __m512i index0 = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34, 33, 32,
-                                          23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i index1 = _mm512_add_epi16(index0, _mm512_set1_epi16(8));
-  *out0 = _mm512_permutex2var_epi16(v0, index0, v1);
-  *out1 = _mm512_permutex2var_epi16(v0, index1, v1);
-}
-
-/* The first `count` of 64 bytes (none for count <= 0: a load past the end of K reads nothing). */
-ALWAYS_INLINE __mmask64 tail_mask64(int64_t count) {
-  return count >= 64 ? ~(__mmask64)0 : count <= 0 ? (__mmask64)0 : (((__mmask64)1 << count) - 1);
-}
-
-/* 64 weight codes from `src` (the first `count` of them; zeros past it) widened into
- * dest[0, 64), 64-byte aligned. */
-BF16_TARGET ALWAYS_INLINE void widen64_store(const widen_tables_t* t, const uint8_t* src, int64_t count,
-                                             uint16_t* dest) {
-  __m512i out0, out1;
-  widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), src), &out0, &out1);
-  _mm512_store_si512(dest, out0);
-  _mm512_store_si512(dest + 32, out1);
 }
 
 /* ---- activations: widened rows ------------------------------------------- */
@@ -229,7 +171,8 @@ enum {
   TILE_VECTORS = 3,       /* activation vectors per register tile: 48 rows */
   TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
   TILE_K_BLOCK = 256,     /* K per pass: the widened panel is 64 x 256 bf16 = 32 KiB */
-  TILE_ROW_CHUNK = 384    /* activation rows per sweep over the weights (a multiple of 48) */
+  TILE_ROW_CHUNK = 384,   /* activation rows per sweep over the weights (a multiple of 48) */
+  TILE_PANEL_BYTES = TILE_PANEL_COLS * TILE_K_BLOCK * (int)sizeof(uint16_t)
 };
 
 /* In-register transpose of 16 x 16 floats: r[i][j] -> r[j][i] (64 shuffles). */
@@ -338,21 +281,25 @@ BF16_TARGET ALWAYS_INLINE __m512 load_bias16(const fp8_scaled_mm_params* p, int6
   }
 }
 
-/* sums[col][row] (float32, by output column; `rows` a multiple of 16) -> out, in
- * 16 x 16 blocks transposed in registers so that each output row is written with
- * one (masked) vector store. */
-BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, int64_t rows,
-                                      int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
-    const int64_t n = n0 + c0;
-    const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
-    const __m512 bias = load_bias16(p, n, mask);
-    for (int64_t r0 = 0; r0 < m_end - m_begin; r0 += 16) {
+/* Sums by output column (layout: cpu_internal.h) -> out, in 16 x 16 blocks transposed
+ * in registers so that each output row is written with one (masked) vector store. */
+BF16_TARGET void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, fp8_sums_layout layout,
+                                        int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols) {
+  /* Row blocks outer: the (up to 64) columns of an output row are written back to back,
+   * whole cache lines at a time; column blocks outer wrote each line in pieces at
+   * different times, each piece a store miss of its own (AMX kernel, M = 1024,
+   * 4096 x 4096, one core: 24.8 -> 23.8 ms). */
+  for (int64_t r0 = 0; r0 < m_end - m_begin; r0 += 16) {
+    const int64_t valid_rows = m_end - m_begin - r0 < 16 ? m_end - m_begin - r0 : 16;
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
+      const int64_t n = n0 + c0;
+      const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
+      const __m512 bias = load_bias16(p, n, mask);
       __m512 block[16];
-      for (int c = 0; c < 16; ++c) block[c] = _mm512_loadu_ps(sums + (c0 + c) * rows + r0); /* columns past `cols` are never stored */
+      const float* sums_block = sums + (c0 / 16) * layout.col_group + (r0 / 16) * layout.row_group;
+      for (int c = 0; c < 16; ++c) block[c] = _mm512_loadu_ps(sums_block + c * layout.col); /* columns past `cols` are never stored */
       transpose16(block);
-      const int64_t valid_rows = m_end - m_begin - r0 < 16 ? m_end - m_begin - r0 : 16;
       for (int64_t j = 0; j < valid_rows; ++j) {
         const int64_t m = m_begin + r0 + j;
         const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
@@ -374,14 +321,14 @@ BF16_TARGET static void tile_epilogue(const fp8_scaled_mm_params* p, const float
 }
 
 BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                         const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                         int64_t n_end) {
+                                         const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
+                                         int64_t n_begin, int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   const int64_t group_stride = (kp / 2) * TILE_LANES;                     /* uint32 between row groups */
   const int64_t rows = ((m_end - m_begin + TILE_LANES - 1) / TILE_LANES) * TILE_LANES;
-  uint16_t* panel = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * TILE_PANEL_COLS * TILE_K_BLOCK);
-  float* sums = (float*)aligned_alloc(64, sizeof(float) * (size_t)(TILE_PANEL_COLS * rows));
+  uint16_t* panel = (uint16_t*)scratch;
+  float* sums = (float*)(scratch + TILE_PANEL_BYTES);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_PANEL_COLS) {
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
     for (int64_t k0 = 0; k0 < kp; k0 += TILE_K_BLOCK) {
@@ -414,10 +361,8 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
         r0 += vectors * TILE_LANES;
       }
     }
-    tile_epilogue(p, sums, rows, m_begin, m_end, n0, cols);
+    fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(rows), m_begin, m_end, n0, cols);
   }
-  free(sums);
-  free(panel);
 }
 
 /* Rows in chunks of TILE_ROW_CHUNK, each over all of this thread's weight rows:
@@ -426,9 +371,10 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
  * from L3 (M = 2048, 4096 x 4096, 2 threads: 87 ms per call before, 77 ms after).
  * Each chunk widens the weight panels again: 1/384 of its dot products. */
 BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
-                                    int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+                                    uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
   for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_ROW_CHUNK)
-    tile_kernel_rows(p, plan, packed, m0, m_end - m0 < TILE_ROW_CHUNK ? m_end : m0 + TILE_ROW_CHUNK, n_begin, n_end);
+    tile_kernel_rows(p, plan, packed, scratch, m0, m_end - m0 < TILE_ROW_CHUNK ? m_end : m0 + TILE_ROW_CHUNK, n_begin,
+                     n_end);
 }
 
 /* ---- skinny kernel (one group of 16 activation rows) ----------------------- */
@@ -491,35 +437,43 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
       }
     }
     for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
-    tile_epilogue(p, sums, TILE_LANES, m_begin, m_end, n0, cols);
+    fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m_begin, m_end, n0, cols);
   }
 }
 
 /* ---- entry points ---------------------------------------------------------- */
 
+/* Per thread: the tile kernel's panel and sums (one row chunk), or the 16 rows that
+ * prepare widens before packing them. */
+int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan) {
+  if (plan->method == FP8_MM_BF16_DOT) return 0;
+  const int64_t chunk_rows = plan->m_padded < TILE_ROW_CHUNK ? plan->m_padded : TILE_ROW_CHUNK;
+  const int64_t compute = TILE_PANEL_BYTES + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
+  const int64_t prepare = TILE_LANES * plan->k_padded * (int64_t)sizeof(uint16_t);
+  return compute > prepare ? compute : prepare;
+}
+
 BF16_TARGET void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                                  int64_t m_begin, int64_t m_end) {
-  build_widen_tables();
+                                  void* scratch, int64_t m_begin, int64_t m_end) {
+  fp8_bf16_build_widen_tables();
   const widen_tables_t t = load_widen_tables(p->a_format);
   const int64_t kp = plan->k_padded;
   if (plan->method == FP8_MM_BF16_DOT) {
     for (int64_t m = m_begin; m < m_end; ++m) widen_activation_row(p, &t, m, kp, (uint16_t*)workspace + m * kp);
     return;
   }
-  uint16_t* rows = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(TILE_LANES * kp));
   for (int64_t group = m_begin / TILE_LANES; group * TILE_LANES < m_end; ++group)
-    pack_activation_group(p, &t, group, kp, (uint32_t*)workspace, rows);
-  free(rows);
+    pack_activation_group(p, &t, group, kp, (uint32_t*)workspace, (uint16_t*)scratch);
 }
 
 BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
-                                  int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
-  build_widen_tables();
+                                  void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  fp8_bf16_build_widen_tables();
   if (plan->method == FP8_MM_BF16_DOT) {
     dot_kernel(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else if (plan->m_padded == TILE_LANES) {
     skinny_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else {
-    tile_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
+    tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   }
 }

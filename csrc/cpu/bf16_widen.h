@@ -1,0 +1,75 @@
+/* fp8 -> bf16 widening in AVX-512 registers, shared by the AVX512-BF16 kernels
+ * (gemm_avx512_bf16.c) and the AMX kernels (gemm_amx.c). Only csrc/cpu/ includes this.
+ *
+ * 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte table lookups
+ * (vpermt2b: high and low byte of each bf16, indexed by the 7 magnitude bits), the
+ * sign OR-ed into the high byte, and an interleave. The interleave (vpunpck{l,h}bw)
+ * works within 128-bit lanes, so the 64 values come out permuted ("interleave
+ * order"); activations are widened with the same permutation, and a dot product does
+ * not care about the order of its terms. */
+#ifndef FP8LINEAR_BF16_WIDEN_H
+#define FP8LINEAR_BF16_WIDEN_H
+
+#include <immintrin.h>
+
+#include "cpu_internal.h"
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---- widening tables ------------------------------------------------------ */
+
+/* [format][0 = high byte, 1 = low byte][magnitude]: the bf16 bits of each code,
+ * built by fp8_bf16_build_widen_tables() (idempotent; call before loading them). */
+extern uint8_t fp8_bf16_widen_tables[2][2][128];
+void fp8_bf16_build_widen_tables(void);
+
+typedef struct {
+  __m512i high0, high1, low0, low1, sign;
+} widen_tables_t;
+
+BF16_TARGET ALWAYS_INLINE widen_tables_t load_widen_tables(fp8_format format) {
+  widen_tables_t t;
+  t.high0 = _mm512_load_si512(fp8_bf16_widen_tables[format][0]);
+  t.high1 = _mm512_load_si512(fp8_bf16_widen_tables[format][0] + 64);
+  t.low0 = _mm512_load_si512(fp8_bf16_widen_tables[format][1]);
+  t.low1 = _mm512_load_si512(fp8_bf16_widen_tables[format][1] + 64);
+  t.sign = _mm512_set1_epi8((char)0x80);
+  return t;
+}
+
+/* 64 fp8 codes -> 2 x 32 bf16 in "interleave order": out0 holds elements
+ * 0-7, 16-23, 32-39, 48-55 and out1 the others. */
+BF16_TARGET ALWAYS_INLINE void widen64(const widen_tables_t* t, __m512i codes, __m512i* out0, __m512i* out1) {
+  __m512i high = _mm512_permutex2var_epi8(t->high0, codes, t->high1);
+  const __m512i low = _mm512_permutex2var_epi8(t->low0, codes, t->low1);
+  high = _mm512_ternarylogic_epi32(high, codes, t->sign, 0xF8); /* high | (codes & 0x80) */
+  *out0 = _mm512_unpacklo_epi8(low, high);
+  *out1 = _mm512_unpackhi_epi8(low, high);
+}
+
+/* The same permutation for 64 bf16 values already in memory (weight-only, bf16 input). */
+BF16_TARGET ALWAYS_INLINE void permute64_bf16(__m512i v0, __m512i v1, __m512i* out0, __m512i* out1) {
+  const __m512i index0 = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34, 33, 32,
+                                          23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i index1 = _mm512_add_epi16(index0, _mm512_set1_epi16(8));
+  *out0 = _mm512_permutex2var_epi16(v0, index0, v1);
+  *out1 = _mm512_permutex2var_epi16(v0, index1, v1);
+}
+
+/* The first `count` of 64 bytes (none for count <= 0: a load past the end of K reads nothing). */
+ALWAYS_INLINE __mmask64 tail_mask64(int64_t count) {
+  return count >= 64 ? ~(__mmask64)0 : count <= 0 ? (__mmask64)0 : (((__mmask64)1 << count) - 1);
+}
+
+/* 64 weight codes from `src` (the first `count` of them; zeros past it) widened into
+ * dest[0, 64), 64-byte aligned. */
+BF16_TARGET ALWAYS_INLINE void widen64_store(const widen_tables_t* t, const uint8_t* src, int64_t count,
+                                             uint16_t* dest) {
+  __m512i out0, out1;
+  widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), src), &out0, &out1);
+  _mm512_store_si512(dest, out0);
+  _mm512_store_si512(dest + 32, out1);
+}
+
+#endif

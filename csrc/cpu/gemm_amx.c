@@ -1,0 +1,421 @@
+/* scaled_mm with Intel AMX-BF16 tile products (Sapphire Rapids and later).
+ *
+ * The data layout is the AVX512-BF16 tile kernel's (gemm_avx512_bf16.c): activations
+ * packed by groups of 16 rows as (k, k+1) pairs, which is exactly AMX's "VNNI" layout
+ * for the B operand of TDPBF16PS (16 k-pairs x 16 rows x 2 bf16 = one 1 KiB tile); the
+ * weight, in its canonical [N, K] layout, is the A operand: 16 weight rows x 32 k,
+ * widened from fp8 into a small panel as the kernel goes (bf16_widen.h). A tile
+ * product then gives C^T, 16 output columns x 16 rows, which the AVX512-BF16
+ * epilogue already transposes on its way out.
+ *
+ * Register blocking: 2 x 2 tiles of C (32 weight rows x 32 activation rows), two A
+ * and two B tiles: 4 tile loads per 4 tile products, the most reuse 8 tiles allow.
+ *
+ * The same kernel body runs either on the hardware or on a C model of the tile
+ * registers (the amx_emulated variant), so that its logic is tested on any CPU with
+ * AVX512-BF16: QEMU does not emulate AMX and Intel's SDE is not installable here.
+ * The model follows the pseudocode of TDPBF16PS in Intel's SDM, and was matched bit
+ * for bit against an Emerald Rapids on 3 million outputs of random, tiny (subnormal)
+ * and signed-zero operands: for each output and each instruction, the even-k and the
+ * odd-k products are summed in two float32 fused multiply-add chains (round to nearest
+ * even; bf16 inputs and the C input with denormals taken as zero, every result with
+ * denormals flushed), then C + (even + odd). Not bit-identical to vdpbf16ps, whose
+ * order differs; both are float32 sums of exact products.
+ *
+ * Tiles belong to the thread: each call saves the thread's tile configuration
+ * (sttilecfg), loads its own, and on leaving restores the saved one or, if the thread
+ * had none, releases the tiles (tilerelease), so that oneDNN's tile use in the same
+ * thread (bf16 nn.Linear) finds what it left. The per-process permission is requested
+ * once in cpu_features.c, which selects this variant only if it was granted.
+ */
+#include <string.h>
+
+#include "bf16_widen.h"
+
+enum {
+  AMX_ROWS = 16,                    /* rows of every tile */
+  AMX_K = 32,                       /* k per tile product: 16 pairs of bf16 (64 bytes) per A-tile row */
+  AMX_TILE_BF16 = AMX_ROWS * AMX_K, /* bf16 per A tile: 1 KiB */
+  AMX_PANEL_COLS = 64,              /* weight rows widened together: 4 A tiles tall */
+  AMX_K_BLOCK = 256,                /* k per widened panel: 64 x 256 bf16 = 32 KiB */
+  AMX_ROW_CHUNK = 512,              /* activation rows per sweep over the weights */
+  AMX_COL_BLOCK = 512               /* weight rows whose panels share a K block of activations */
+};
+
+/* The 64-byte operand of ldtilecfg / sttilecfg (palette 1). */
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+} __attribute__((aligned(64))) amx_tile_config;
+
+/* ---- the tile registers as a C model (amx_emulated) ------------------------ */
+
+typedef struct {
+  amx_tile_config config;
+  uint8_t tile[8][AMX_ROWS * 64] __attribute__((aligned(64)));
+} amx_model;
+
+static void model_load(amx_model* model, int t, const void* base, int64_t stride) {
+  const int rows = model->config.rows[t], width = model->config.bytes_per_row[t];
+  memset(model->tile[t], 0, sizeof model->tile[t]);
+  for (int r = 0; r < rows; ++r) memcpy(model->tile[t] + r * 64, (const uint8_t*)base + r * stride, (size_t)width);
+}
+
+static void model_store(const amx_model* model, int t, void* base, int64_t stride) {
+  const int rows = model->config.rows[t], width = model->config.bytes_per_row[t];
+  for (int r = 0; r < rows; ++r) memcpy((uint8_t*)base + r * stride, model->tile[t] + r * 64, (size_t)width);
+}
+
+static void model_zero(amx_model* model, int t) { memset(model->tile[t], 0, sizeof model->tile[t]); }
+
+/* Denormals as zero (inputs) and flushed to zero (results), keeping the sign. */
+BF16_TARGET ALWAYS_INLINE __m512 flush_denormals(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));
+  return _mm512_castsi512_ps(_mm512_mask_and_epi32(bits, denormal, bits, _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* TDPBF16PS c += a . b as the SDM's pseudocode has it: C has rows(c) rows of
+ * bytes_per_row(c) / 4 float32, A rows(c) rows of bytes_per_row(a) / 4 bf16 pairs, B
+ * one row of pairs per pair of A. Vectorized over the (up to 16) columns of C. */
+BF16_TARGET static void model_dpbf16ps(amx_model* model, int c, int a, int b) {
+  const int rows = model->config.rows[c], columns = model->config.bytes_per_row[c] / 4;
+  const int pairs = model->config.bytes_per_row[a] / 4;
+  const __mmask16 column_mask = (__mmask16)((1u << columns) - 1u);
+  const uint32_t* a_tile = (const uint32_t*)model->tile[a];
+  const uint32_t* b_tile = (const uint32_t*)model->tile[b];
+  float* c_tile = (float*)model->tile[c];
+  const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+  for (int m = 0; m < rows; ++m) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int k = 0; k < pairs; ++k) {
+      const uint32_t a_pair = a_tile[m * 16 + k];
+      const __m512 a_even = flush_denormals(_mm512_castsi512_ps(_mm512_set1_epi32((int)(a_pair << 16))));
+      const __m512 a_odd = flush_denormals(_mm512_castsi512_ps(_mm512_set1_epi32((int)(a_pair & 0xFFFF0000u))));
+      const __m512i b_pairs = _mm512_maskz_loadu_epi32(column_mask, b_tile + k * 16);
+      const __m512 b_even = flush_denormals(_mm512_castsi512_ps(_mm512_slli_epi32(b_pairs, 16)));
+      const __m512 b_odd = flush_denormals(_mm512_castsi512_ps(_mm512_and_si512(b_pairs, high_half)));
+      even = flush_denormals(_mm512_fmadd_ps(a_even, b_even, even));
+      odd = flush_denormals(_mm512_fmadd_ps(a_odd, b_odd, odd));
+    }
+    const __m512 c_row = flush_denormals(_mm512_maskz_loadu_ps(column_mask, c_tile + m * 16));
+    const __m512 sum = flush_denormals(_mm512_add_ps(c_row, flush_denormals(_mm512_add_ps(even, odd))));
+    _mm512_mask_storeu_ps(c_tile + m * 16, column_mask, sum);
+  }
+}
+
+/* ---- the tile instructions: hardware or model ------------------------------ */
+
+/* Own inline assembly rather than GCC 12's intrinsics: its _tile_loadconfig tells the
+ * compiler it reads 8 bytes, which let it drop the stores to a config on the stack
+ * (SIGILL at the next tile instruction), and its _tile_loadd has no memory operand,
+ * so a buffer written just before could be loaded before the stores. Here the config
+ * is a 64-byte memory operand and loads and stores clobber memory. Tile numbers are
+ * part of the instruction, hence macros. `emulated` is a compile-time constant in
+ * each instantiation of the kernel body; `model` is NULL on hardware. */
+#define TILE_LOAD(t, base, stride)                                                                              \
+  do {                                                                                                          \
+    if (emulated) model_load(model, t, base, stride);                                                           \
+    else __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");    \
+  } while (0)
+#define TILE_STORE(t, base, stride)                                                                             \
+  do {                                                                                                          \
+    if (emulated) model_store(model, t, base, stride);                                                          \
+    else __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((int64_t)(stride)) : "memory"); \
+  } while (0)
+#define TILE_ZERO(t)                                              \
+  do {                                                            \
+    if (emulated) model_zero(model, t);                           \
+    else __asm__ volatile("tilezero %%tmm" #t ::);                \
+  } while (0)
+#define TILE_DPBF16PS(c, a, b)                                                    \
+  do {                                                                            \
+    if (emulated) model_dpbf16ps(model, c, a, b);                                 \
+    else __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::);     \
+  } while (0)
+
+static void hardware_load_config(const amx_tile_config* config) { __asm__ volatile("ldtilecfg %0" ::"m"(*config)); }
+static void hardware_store_config(amx_tile_config* config) { __asm__ volatile("sttilecfg %0" : "=m"(*config)); }
+static void hardware_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+/* Tiles 0-3: C (weight-row group 0/1 x activation-row group 0/1), 4-5: A, 6-7: B; all full. */
+static void fill_config(amx_tile_config* config) {
+  memset(config, 0, sizeof *config);
+  config->palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config->rows[t] = AMX_ROWS;
+    config->bytes_per_row[t] = 64;
+  }
+}
+
+/* ---- weight panels ----------------------------------------------------------- */
+
+/* A panel is weight rows [n0, n0 + cols) at k [k0, k0 + k_block), widened into A
+ * tiles: panel[group of 16 rows][k step of 32][16 rows][32 bf16], each tile 1 KiB
+ * contiguous (rows past `cols` are zero). widen64 gives a row's 64 k as two halves in
+ * interleave order; each half is one k step's tile row, matching the packed
+ * activations' pairs. The widening is cut into units of 64 codes of one row, so that
+ * the next panel can be widened a few units at a time between the tile products of
+ * this one: the shuffles then run on the vector ports while the AMX unit multiplies.
+ * In phases of their own, the two added up (4096 x 4096, M = 1024, one core: the
+ * widening cost 12 of 33.5 ms). */
+typedef struct {
+  const uint8_t* src;    /* the next unit's 64 codes */
+  uint16_t* dest;        /* where its first half goes (the second: one tile further) */
+  int64_t b_col_stride;  /* codes between weight rows */
+  int64_t k_left;        /* codes of a row from the next unit to the end of K */
+  int64_t k_left_row;    /* codes of a row from the panel's k0 to the end of K */
+  int64_t units_per_row; /* k_block / 64 */
+  int64_t steps;         /* k_block / 32: tiles per row group */
+  int64_t col, unit;     /* the next unit: panel row, and 64-code unit within it */
+  int64_t cols;          /* rows of the panel that exist (the others are zero) */
+  int64_t left;          /* units still to widen */
+  uint16_t* panel;
+} panel_widener;
+
+ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
+  return panel + (col / AMX_ROWS) * steps * AMX_TILE_BF16 + (col % AMX_ROWS) * AMX_K;
+}
+
+static panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols, int64_t k0,
+                                      int64_t k_block, uint16_t* panel) {
+  panel_widener w;
+  w.src = p->b + n0 * p->b_col_stride + k0;
+  w.b_col_stride = p->b_col_stride;
+  w.k_left = w.k_left_row = p->k - k0;
+  w.units_per_row = k_block / 64;
+  w.steps = k_block / AMX_K;
+  w.col = w.unit = 0;
+  w.cols = cols;
+  w.left = AMX_PANEL_COLS * w.units_per_row;
+  w.panel = panel;
+  w.dest = panel_row(panel, w.steps, 0);
+  return w;
+}
+
+/* `count` more units (or all that are left), row by row: no division in the loop, which
+ * runs between tile products. */
+BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_t* t, int64_t count) {
+  for (count = count < w->left ? count : w->left; count > 0; --count) {
+    if (w->col < w->cols) {
+      /* into L2, the same unit of the panel widened after this one (the next 64 weight
+       * rows, in the order of next_panel): 64 rows at a time are more streams than the
+       * hardware prefetchers follow, and the same row's next K block, which the tile
+       * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
+       * one core: 26.1 -> 24.8 ms) */
+      _mm_prefetch((const char*)(w->src + AMX_PANEL_COLS * w->b_col_stride), _MM_HINT_T1);
+      __m512i out0, out1;
+      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), w->src), &out0, &out1);
+      _mm512_store_si512(w->dest, out0);
+      _mm512_store_si512(w->dest + AMX_TILE_BF16, out1);
+    } else {
+      _mm512_store_si512(w->dest, _mm512_setzero_si512());
+      _mm512_store_si512(w->dest + AMX_TILE_BF16, _mm512_setzero_si512());
+    }
+    --w->left;
+    if (++w->unit < w->units_per_row) {
+      w->src += 64;
+      w->k_left -= 64;
+      w->dest += 2 * AMX_TILE_BF16;
+    } else {
+      w->unit = 0;
+      ++w->col;
+      w->src += w->b_col_stride - 64 * (w->units_per_row - 1);
+      w->k_left = w->k_left_row;
+      w->dest = panel_row(w->panel, w->steps, w->col);
+    }
+  }
+}
+
+/* ---- the kernel body ---------------------------------------------------------- */
+
+/* C tiles for weight-row groups g, g + 1 (if both) and activation-row groups r, r + 1
+ * (if both) over one widened panel: their sums (one contiguous 1 KiB block per C tile,
+ * `col_group` floats from group g to g + 1) are loaded (or zeroed for the first K
+ * block), accumulated over `steps` k steps, and stored back; `widen_per_step` units of
+ * the next panel are widened after each step's products. */
+BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
+                                          const uint32_t* b1, int64_t steps, float* sums, int64_t col_group, int first,
+                                          panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
+                                          const int both_cols, const int both_rows, const int emulated,
+                                          amx_model* model) {
+  const int64_t sums_stride = AMX_ROWS * (int64_t)sizeof(float);
+  float* s00 = sums;                          /* weight rows g*16.., activation rows r*16.. */
+  float* s01 = sums + AMX_ROWS * AMX_ROWS;    /* activation rows (r + 1)*16.. */
+  float* s10 = sums + col_group;              /* weight rows (g + 1)*16.. */
+  float* s11 = s10 + AMX_ROWS * AMX_ROWS;
+  if (first) {
+    TILE_ZERO(0);
+    if (both_rows) TILE_ZERO(1);
+    if (both_cols) TILE_ZERO(2);
+    if (both_cols && both_rows) TILE_ZERO(3);
+  } else {
+    TILE_LOAD(0, s00, sums_stride);
+    if (both_rows) TILE_LOAD(1, s01, sums_stride);
+    if (both_cols) TILE_LOAD(2, s10, sums_stride);
+    if (both_cols && both_rows) TILE_LOAD(3, s11, sums_stride);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
+    TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
+    TILE_DPBF16PS(0, 4, 6);
+    if (both_rows) {
+      TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
+      TILE_DPBF16PS(1, 4, 7);
+    }
+    if (both_cols) {
+      TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
+      TILE_DPBF16PS(2, 5, 6);
+      if (both_rows) TILE_DPBF16PS(3, 5, 7);
+    }
+    widen_units(next, t, widen_per_step);
+  }
+  TILE_STORE(0, s00, sums_stride);
+  if (both_rows) TILE_STORE(1, s01, sums_stride);
+  if (both_cols) TILE_STORE(2, s10, sums_stride);
+  if (both_cols && both_rows) TILE_STORE(3, s11, sums_stride);
+}
+
+#define TILE_BLOCK_CASES(...)                                                                   \
+  switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
+    case 3: tile_block(__VA_ARGS__, 1, 1, emulated, model); break;                              \
+    case 2: tile_block(__VA_ARGS__, 1, 0, emulated, model); break;                              \
+    case 1: tile_block(__VA_ARGS__, 0, 1, emulated, model); break;                              \
+    default: tile_block(__VA_ARGS__, 0, 0, emulated, model); break;                             \
+  }
+
+/* The order of the panels: weight rows in blocks of AMX_COL_BLOCK, and within a block
+ * K block by K block over all of its panels, so that one K block of the chunk's packed
+ * activations (AMX_ROW_CHUNK x AMX_K_BLOCK bf16) is read from L2 by every panel of the
+ * block; panel by panel over all of K, the chunk's activations for all of K (4 MiB at
+ * 512 rows, K = 4096) streamed from L3 once per panel. The block's sums (AMX_COL_BLOCK
+ * x AMX_ROW_CHUNK float32) stay in L2. */
+typedef struct {
+  int64_t n0, k0;   /* the panel */
+  int64_t block_n0; /* its block's first weight row */
+} panel_position;
+
+static panel_position next_panel(panel_position at, int64_t n_end, int64_t kp) {
+  const int64_t block_end = at.block_n0 + AMX_COL_BLOCK < n_end ? at.block_n0 + AMX_COL_BLOCK : n_end;
+  if (at.n0 + AMX_PANEL_COLS < block_end) {
+    at.n0 += AMX_PANEL_COLS;
+  } else if (at.k0 + AMX_K_BLOCK < kp) {
+    at.n0 = at.block_n0;
+    at.k0 += AMX_K_BLOCK;
+  } else {
+    at.block_n0 = at.n0 = block_end;
+    at.k0 = 0;
+  }
+  return at;
+}
+
+/* Rows [m_begin, m_end) (one chunk, m_begin a multiple of 16) x weight rows [n_begin,
+ * n_end): each panel widened while the previous one is used. */
+BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                        const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
+                                        int64_t n_end, uint16_t* panels[2], float* sums, const int emulated,
+                                        amx_model* model) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded;
+  const int64_t group_stride = (kp / 2) * AMX_ROWS; /* uint32 between packed groups of 16 rows */
+  const int64_t rows = (m_end - m_begin + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  const int64_t row_pairs = (rows + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
+  /* each C tile's sums a contiguous 1 KiB block: [weight-row group][activation-row group][16][16]
+   * (with a stride of `rows` floats the 16 rows of a tile fell into a few L1 sets) */
+  const fp8_sums_layout layout = {AMX_ROWS, rows * AMX_ROWS, AMX_ROWS * AMX_ROWS};
+#define PANEL_COLS_AT(n0) (n_end - (n0) < AMX_PANEL_COLS ? n_end - (n0) : AMX_PANEL_COLS)
+#define K_BLOCK_AT(k0) (kp - (k0) < AMX_K_BLOCK ? kp - (k0) : AMX_K_BLOCK) /* a multiple of 64 */
+  panel_position at = {n_begin, 0, n_begin};
+  panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0]);
+  widen_units(&next, &t, next.left);
+  for (int current = 0; at.n0 < n_end; current ^= 1) {
+    const int64_t n0 = at.n0, k0 = at.k0, cols = PANEL_COLS_AT(n0);
+    const int64_t col_groups = (cols + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t steps = K_BLOCK_AT(k0) / AMX_K;
+    const uint16_t* panel = panels[current];
+    float* panel_sums = sums + (n0 - at.block_n0) / AMX_ROWS * layout.col_group;
+    at = next_panel(at, n_end, kp);
+    if (at.n0 < n_end) {
+      next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), at.k0, K_BLOCK_AT(at.k0), panels[current ^ 1]);
+    } else {
+      next.left = 0; /* nothing left to widen */
+    }
+    const int64_t total_steps = row_pairs * ((col_groups + 1) / 2) * steps;
+    const int64_t widen_per_step = (next.left + total_steps - 1) / total_steps;
+    for (int64_t r0 = 0; r0 < rows; r0 += 2 * AMX_ROWS) {
+      const int both_rows = rows - r0 > AMX_ROWS;
+      const uint32_t* b0 = packed + ((m_begin + r0) / AMX_ROWS) * group_stride + (k0 / 2) * AMX_ROWS;
+      for (int64_t g = 0; g < col_groups; g += 2) {
+        const int both_cols = g + 1 < col_groups;
+        const uint16_t* panel_g = panel + g * steps * AMX_TILE_BF16;
+        TILE_BLOCK_CASES(panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
+                         panel_sums + g * layout.col_group + (r0 / AMX_ROWS) * layout.row_group, layout.col_group,
+                         k0 == 0, &next, &t, widen_per_step)
+      }
+    }
+    widen_units(&next, &t, next.left); /* whatever the steps left */
+    if (k0 + AMX_K_BLOCK >= kp) fp8_bf16_tile_epilogue(p, panel_sums, layout, m_begin, m_end, n0, cols);
+  }
+#undef PANEL_COLS_AT
+#undef K_BLOCK_AT
+}
+
+/* Scratch per thread: two panels, the sums of a column block of one row chunk, and
+ * (emulated only) the model's tile registers. */
+enum { AMX_PANEL_BYTES = AMX_PANEL_COLS * AMX_K_BLOCK * (int)sizeof(uint16_t) };
+
+static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
+  const int64_t chunk_rows = plan->m_padded < AMX_ROW_CHUNK ? plan->m_padded : AMX_ROW_CHUNK;
+  return AMX_COL_BLOCK * chunk_rows * (int64_t)sizeof(float);
+}
+
+int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan) {
+  const int64_t compute = 2 * AMX_PANEL_BYTES + sums_bytes(plan) + (int64_t)sizeof(amx_model);
+  const int64_t prepare = fp8_bf16_scratch_bytes(plan); /* the packing of the activations */
+  return compute > prepare ? compute : prepare;
+}
+
+/* Rows in chunks of AMX_ROW_CHUNK, each over all of this range's weight rows. */
+BF16_TARGET ALWAYS_INLINE void amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                           const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
+                                           int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
+  uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)(scratch + AMX_PANEL_BYTES)};
+  float* sums = (float*)(scratch + 2 * AMX_PANEL_BYTES);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += AMX_ROW_CHUNK)
+    amx_rows(p, plan, packed, m0, m_end - m0 < AMX_ROW_CHUNK ? m_end : m0 + AMX_ROW_CHUNK, n_begin, n_end, panels,
+             sums, emulated, model);
+}
+
+BF16_TARGET static void amx_compute_hardware(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                             const uint32_t* packed, uint8_t* scratch, int64_t m_begin,
+                                             int64_t m_end, int64_t n_begin, int64_t n_end) {
+  amx_tile_config saved, ours;
+  fill_config(&ours);
+  hardware_store_config(&saved); /* all zero (palette 0) if this thread had no tiles configured */
+  hardware_load_config(&ours);
+  amx_compute(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, 0, NULL);
+  if (saved.palette != 0) {
+    hardware_load_config(&saved);
+  } else {
+    hardware_release();
+  }
+}
+
+BF16_TARGET static void amx_compute_emulated(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                             const uint32_t* packed, uint8_t* scratch, int64_t m_begin,
+                                             int64_t m_end, int64_t n_begin, int64_t n_end) {
+  amx_model* model = (amx_model*)(scratch + 2 * AMX_PANEL_BYTES + sums_bytes(plan)); /* 64-byte aligned */
+  fill_config(&model->config);
+  amx_compute(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, 1, model);
+}
+
+void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                     void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
+  fp8_bf16_build_widen_tables();
+  if (plan->variant == FP8_CPU_AMX) {
+    amx_compute_hardware(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
+  } else {
+    amx_compute_emulated(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
+  }
+}
