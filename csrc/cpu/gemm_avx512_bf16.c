@@ -208,18 +208,16 @@ BF16_TARGET ALWAYS_INLINE void transpose16(__m512 r[16]) {
 BF16_TARGET static void pack_activation_group(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t group,
                                               int64_t k_padded, uint32_t* packed, uint16_t* rows) {
   uint32_t* dest = packed + group * (k_padded / 2) * TILE_LANES;
-  for (int lane = 0; lane < TILE_LANES; ++lane) {
-    const int64_t m = group * TILE_LANES + lane;
-    if (m < p->m) {
-      widen_activation_row(p, t, m, k_padded, rows + lane * k_padded);
-    } else {
-      memset(rows + lane * k_padded, 0, sizeof(uint16_t) * (size_t)k_padded);
-    }
-  }
+  /* rows past M are zero lanes of the transpose, not zeroed memory (M = 1 with AMX: one
+   * row of a group of 16) */
+  const int64_t lanes = p->m - group * TILE_LANES < TILE_LANES ? p->m - group * TILE_LANES : TILE_LANES;
+  for (int lane = 0; lane < lanes; ++lane)
+    widen_activation_row(p, t, group * TILE_LANES + lane, k_padded, rows + lane * k_padded);
   for (int64_t pair0 = 0; pair0 < k_padded / 2; pair0 += TILE_LANES) { /* k_padded: a multiple of 64 */
     __m512 block[TILE_LANES];
     for (int lane = 0; lane < TILE_LANES; ++lane)
-      block[lane] = _mm512_castsi512_ps(_mm512_load_si512(rows + lane * k_padded + 2 * pair0));
+      block[lane] = lane < lanes ? _mm512_castsi512_ps(_mm512_load_si512(rows + lane * k_padded + 2 * pair0))
+                                 : _mm512_setzero_ps();
     transpose16(block);
     for (int j = 0; j < TILE_LANES; ++j) _mm512_store_ps((float*)(dest + (pair0 + j) * TILE_LANES), block[j]);
   }
