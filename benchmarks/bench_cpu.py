@@ -53,14 +53,27 @@ SLOW_CALL_SECONDS = 0.3
 FEW_SAMPLES = 3
 
 
-def median_time(fn, items, repeats: int) -> float:
-    """Median over repeats of the mean time of fn over items (seconds per call)."""
+# A sample repeats its pass over the items until it has run this long: a pass over two
+# copies of a small layer takes ~0.1 ms, short enough for one page fault or interrupt to
+# triple a sample (SmolLM2 at M = 64 once showed bf16 and FP8Linear both 3x slower).
+MIN_SAMPLE_SECONDS = 0.02
+
+
+def median_time(fn, items, repeats: int, min_seconds: float = 0.0) -> float:
+    """Median over repeats of the mean time of fn over items (seconds per call); each
+    sample makes whole passes over the items until min_seconds have passed."""
     times = []
     for _ in range(repeats):
+        calls = 0
         start = time.perf_counter()
-        for item in items:
-            fn(item)
-        times.append((time.perf_counter() - start) / len(items))
+        while True:
+            for item in items:
+                fn(item)
+            calls += len(items)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        times.append(elapsed / calls)
     return statistics.median(times)
 
 
@@ -166,7 +179,7 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
             for key, (fn, items) in contenders.items():
                 if first_call[key] * len(items) > SLOW_CALL_SECONDS and repeat >= FEW_SAMPLES:
                     continue  # a pass of a second or more: a few samples are enough
-                times[key].append(median_time(fn, items, 1))
+                times[key].append(median_time(fn, items, 1, 0.0 if smoke else MIN_SAMPLE_SECONDS))
         result = {key: statistics.median(values) for key, values in times.items()}
         result.update(dict.fromkeys(skipped))
         table.append((name, n, k, rows, result))
@@ -228,7 +241,8 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         f"torchao: {torchao_note}.",
         *([f"Skipped (one call would take more than {SKIP_CALL_SECONDS:g} s): " + "; ".join(notes) + "."] if notes else []),
         "",
-        "Times are medians over repetitions of one pass over the layer copies; ratios > 1 mean FP8Linear is "
+        f"Times are medians over repetitions of whole passes over the layer copies (each repetition at least "
+        f"{MIN_SAMPLE_SECONDS * 1e3:.0f} ms); ratios > 1 mean FP8Linear is "
         f"faster. M <= {DECODE_ROWS} cycles through >= 1 GB of weights per format (from DRAM); larger M uses "
         "two copies (compute-bound). FP8Linear's time includes quantizing its bf16 input; `_scaled_mm` is "
         "given pre-quantized input. GB/s counts fp8 weight bytes only.",
