@@ -10,7 +10,8 @@ import sys
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, threads=args.threads)
+    run_demo(model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens, threads=args.threads,
+             prompt_tokens=args.prompt_tokens)
     return 0
 
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default="Once upon a time,")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    demo.add_argument("--prompt-tokens", type=int, default=512,
+                      help="tokens of the prompt whose time to first token is measured (default 512; 0: skip)")
     demo.set_defaults(run=_demo)
     _add_quantize_command(commands)
     return parser

