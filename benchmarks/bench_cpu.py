@@ -264,7 +264,8 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
     ]
     (args.output_dir / args.name).with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot_speedup(table, (args.output_dir / args.name).with_suffix(".png"), fp8_key="fp8linear",
-                 title=f"fp8linear on the CPU ({torch.get_num_threads()} threads)", baseline_name="nn.Linear")
+                 title=f"fp8linear on {args.cpu['model']} ({args.cpu['family']}, {native().cpu_variant()} kernels, "
+                       f"{torch.get_num_threads()} threads)", baseline_name="nn.Linear")
 
 
 def main(argv=None):
