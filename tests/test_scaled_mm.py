@@ -87,6 +87,19 @@ def test_empty_and_k_zero(m, k, n):
     assert torch.equal(out, bias.expand(m, n))
 
 
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, 1e30])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_k_zero_is_exactly_the_bias_whatever_the_scales(scale, with_bias):
+    # an empty sum is zero: 0 * scale must not turn an inf or NaN scale into NaN outputs
+    a = torch.zeros(4, 0).to(torch.float8_e4m3fn)
+    b = torch.zeros(0, 7).to(torch.float8_e4m3fn)
+    bias = torch.randn(7) if with_bias else None
+    for scale_a, scale_b in [(torch.tensor(scale), torch.ones(())), (torch.ones(4, 1), torch.full((1, 7), scale))]:
+        out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.float32)
+        expected = bias.expand(4, 7) if with_bias else torch.zeros(4, 7)
+        assert torch.equal(out, expected)
+
+
 def test_nan_and_extremes_propagate(cpu_variant):
     a, b, scale_a, scale_b = _operands(3, 40, 5)
     a = a.clone()

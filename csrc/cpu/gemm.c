@@ -49,7 +49,8 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
         const float* a_row = a_block + r * k;
         for (int64_t i = 0; i < k; ++i) acc += a_row[i] * b_column[i];
         const float scale = p->scale_a[p->scale_a_per_row ? m0 + r : 0] * scale_b;
-        fp8_store_float(p->out, p->out_dtype, (m0 + r) * p->out_row_stride + n, acc * scale + bias);
+        /* K = 0: an empty sum, so exactly the bias, whatever the scales (0 * inf is NaN) */
+        fp8_store_float(p->out, p->out_dtype, (m0 + r) * p->out_row_stride + n, (k == 0 ? 0.0f : acc * scale) + bias);
       }
     }
   }

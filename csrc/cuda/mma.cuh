@@ -246,7 +246,9 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kRowTiles][kColumnTiles][
 __device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int64_t m, int64_t n, float acc) {
   if (m >= p.m || n >= p.n) return;
   const float scale = __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
-  float value = acc * scale;
+  // K = 0 (the generic kernel takes it): an empty sum, so exactly the bias, whatever the
+  // scales (0 * inf is NaN)
+  float value = p.k == 0 ? 0.0f : acc * scale;
   if (p.bias != nullptr) value += load_float(p.bias, p.bias_dtype, n);
   store_float(p.out, p.out_dtype, m * p.out_row_stride + n, value);
 }
