@@ -1,6 +1,7 @@
 """Build of fp8linear._C: the CPU kernels always, the CUDA kernels when torch has
 CUDA and nvcc is found (no GPU needed to build). Set FP8LINEAR_CUDA=0 to build
-without CUDA, FP8LINEAR_CUDA=1 to fail loudly if it can't be built.
+without CUDA, FP8LINEAR_CUDA=1 to fail loudly if it can't be built, FP8LINEAR_NINJA=1
+to compile in parallel with ninja (MAX_JOBS at a time).
 
 torch must already be installed: pip install --no-build-isolation .
 """
@@ -111,7 +112,11 @@ def extension():
     return cpp_extension.CppExtension("fp8linear._C", cpu_sources, extra_compile_args={"cxx": cxx_flags})
 
 
+# FP8LINEAR_NINJA=1 builds with ninja, MAX_JOBS files at a time (benchmarks/gpu_check.sh:
+# the CUDA sources take minutes one by one); torch falls back to the serial build where
+# ninja is missing. The ninja build compiles the .c kernels as C++ (they are written
+# to compile as both; tests/test_build.py checks it).
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=os.environ.get("FP8LINEAR_NINJA") == "1")},
 )

@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
 # The one GPU check: on a bare machine with torch (CUDA), nvcc and a GPU but no
-# network, build fp8linear's extension for this GPU, run the CUDA tests and the CUDA
-# benchmark, and print a short table last. Under 8 minutes on an H200.
+# network, build fp8linear's extension for this GPU, run the CUDA tests and a cut-down
+# CUDA benchmark (and, with the time left, compute-sanitizer's memcheck over the tail and
+# stride tests), and print a summary last, all within one deadline.
 #
 #   benchmarks/gpu_check.sh              # from the repository root (or anywhere)
-#   OUT=/some/dir benchmarks/gpu_check.sh
+#   OUT=/some/dir GPU_CHECK_SECONDS=540 benchmarks/gpu_check.sh
 #
-# Logs and results go to ${OUT:-/tmp/out}: build.log, tests.log, bench.log,
-# junit.xml, cuda.md / cuda.png (copied from benchmarks/results/), summary.txt.
-# Python packages the tests and fp8linear import (pytest, tqdm, safetensors) that
-# the machine lacks are installed from a local wheel directory, .whl/ in the
-# repository root, if one was brought along (pip download ... -d .whl).
+# The device tool allows 600 s per command and brings back at most 8 files from $OUT,
+# so: the whole script runs against GPU_CHECK_SECONDS (default 540), each step's
+# timeout is what is left of it minus what the later steps need, nothing is retried,
+# and $OUT holds five files: log.txt (environment, wheels, build, tests and benchmark
+# output, in that order), junit.xml, cuda.md, cuda.png and summary.txt (also printed
+# last). Python packages the tests and fp8linear import (pytest, tqdm, safetensors)
+# and the build's ninja, where missing, are installed from a wheel directory .whl/ in
+# the repository root if one was brought along (pip download ... -d .whl; pytest-timeout
+# there adds a per-test timeout).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-/tmp/out}
 PYTHON=${PYTHON:-python3}
+DEADLINE=${GPU_CHECK_SECONDS:-540}
 mkdir -p "$OUT"
 cd "$ROOT"
+LOG="$OUT/log.txt"
+: > "$LOG"
 START=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - START ))s"; }
-status_build=skipped status_tests=skipped status_bench=skipped
+# The timeout of a step: at most `budget` seconds, and never so long that the steps
+# after it (which need `reserve` seconds) would run past the deadline.
+step_timeout() {
+  local budget=$1 reserve=$2
+  local left=$(( DEADLINE - ($(date +%s) - START) - reserve ))
+  (( left < budget )) && budget=$left
+  (( budget < 1 )) && budget=1
+  echo "$budget"
+}
+section() { echo "== $1 ($(elapsed) of ${DEADLINE}s)" | tee -a "$LOG"; }
+status_build=skipped status_tests=skipped status_bench=skipped status_memcheck=skipped tests_summary=
 
 # torch looks for the toolkit through CUDA_HOME or the nvcc on PATH; a wrapper
 # script outside the toolkit would point it at the wrong directory.
@@ -33,86 +51,100 @@ if [ -z "${CUDA_HOME:-}" ] && command -v nvcc > /dev/null; then
   done
 fi
 
+section "environment"
 {
-  echo "== $(date -u)"
-  nvidia-smi 2>&1 || echo "nvidia-smi not found"
+  date -u
+  timeout 20 nvidia-smi 2>&1 || echo "nvidia-smi not found"
   command -v nvcc && nvcc --version
-  echo "CUDA_HOME=${CUDA_HOME:-unset}"
-  "$PYTHON" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+  echo "CUDA_HOME=${CUDA_HOME:-unset} cores=$(nproc)"
+  timeout 60 "$PYTHON" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'available', torch.cuda.is_available(), 'capability', torch.cuda.get_device_capability() if torch.cuda.is_available() else None)"
-} > "$OUT/environment.txt" 2>&1
-cat "$OUT/environment.txt"
+} >> "$LOG" 2>&1
 
-# Missing pure-Python dependencies, from the local wheel directory if there is one.
-missing=$("$PYTHON" - << 'EOF'
+# Missing pure-Python dependencies (and ninja, for a parallel build), from .whl/.
+missing=$(timeout 30 "$PYTHON" - << 'EOF'
 import importlib.util
-print(" ".join(name for name in ("pytest", "tqdm", "safetensors") if importlib.util.find_spec(name) is None))
+print(" ".join(name.replace("_", "-") for name in ("pytest", "tqdm", "safetensors", "ninja", "pytest_timeout")
+               if importlib.util.find_spec(name) is None))
 EOF
 )
 if [ -n "$missing" ]; then
   if [ -d "$ROOT/.whl" ]; then
-    echo "== installing $missing from .whl/ ($(elapsed))"
-    "$PYTHON" -m pip install --no-index --find-links "$ROOT/.whl" $missing > "$OUT/wheels.log" 2>&1 \
-      || echo "could not install $missing from .whl/ (see wheels.log)"
+    section "installing $missing from .whl/"
+    timeout "$(step_timeout 60 400)" "$PYTHON" -m pip install --no-index --find-links "$ROOT/.whl" $missing >> "$LOG" 2>&1 \
+      || echo "could not install all of $missing from .whl/ (see log.txt)" | tee -a "$LOG"
   else
-    echo "!! missing Python packages: $missing (no network: bring wheels in .whl/)"
+    echo "!! missing Python packages: $missing (no network: bring wheels in .whl/)" | tee -a "$LOG"
   fi
 fi
+export PATH="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))' 2> /dev/null):$PATH"  # ninja's script
 
-# Build for this GPU only (fast): 9.0 -> 9.0a (the arch-specific target), else major.minor.
+# Build for this GPU only: 9.0 -> 9.0a (the arch-specific target), else major.minor;
+# ninja and MAX_JOBS = cores compile the files in parallel.
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
-  TORCH_CUDA_ARCH_LIST=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); \
+  TORCH_CUDA_ARCH_LIST=$(timeout 60 "$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); \
 print(f'{major}.{minor}' + ('a' if (major, minor) == (9, 0) else ''))" 2> /dev/null || echo "9.0a")
 fi
-export TORCH_CUDA_ARCH_LIST
-echo "== building for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST ($(elapsed))"
-export FP8LINEAR_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if timeout 420 "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -v -e . > "$OUT/build.log" 2>&1; then
+export TORCH_CUDA_ARCH_LIST FP8LINEAR_CUDA=1 FP8LINEAR_NINJA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+section "build for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS"
+if timeout "$(step_timeout 300 210)" "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -v -e . >> "$LOG" 2>&1; then
   status_build=ok
 else
-  # an older pip/setuptools without editable wheels: build in place instead
-  echo "pip install failed (see build.log); building in place" | tee -a "$OUT/build.log"
-  if timeout 420 "$PYTHON" setup.py build_ext --inplace >> "$OUT/build.log" 2>&1; then
-    status_build=ok
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  else
-    status_build=FAILED
-  fi
+  status_build=FAILED
 fi
-grep -E "^fp8linear: building" "$OUT/build.log" | tail -1
-echo "== build: $status_build ($(elapsed))"
+grep -E "^fp8linear: building" "$LOG" | tail -1
+section "build: $status_build"
 
 if [ "$status_build" = ok ]; then
-  "$PYTHON" -c "import fp8linear._C as c; print('cuda_built', c.cuda_built(), 'device path', c.cuda_device_path(0))" \
-    2>&1 | tee -a "$OUT/build.log"
-  echo "== tests ($(elapsed))"
-  if timeout 240 "$PYTHON" -m pytest -q --maxfail=50 -p no:cacheprovider tests/test_cuda.py \
-      --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; then
+  timeout 60 "$PYTHON" -c "import fp8linear._C as c; print('cuda_built', c.cuda_built(), 'device path', c.cuda_device_path(0))" \
+    2>&1 | tee -a "$LOG"
+  section "tests"
+  per_test=()
+  "$PYTHON" -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout=60)
+  # no early stop: tests run path by path, so stopping at the first failures would hide the later paths
+  if timeout "$(step_timeout 240 120)" "$PYTHON" -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" tests/test_cuda.py \
+      --junitxml="$OUT/junit.xml" > "$OUT/tests.tmp" 2>&1; then
     status_tests=ok
   else
     status_tests=FAILED
   fi
-  tail -n 25 "$OUT/tests.log"
-  echo "== benchmark ($(elapsed))"
-  if timeout 300 "$PYTHON" benchmarks/bench_cuda.py --output-dir "$OUT" > "$OUT/bench.log" 2>&1; then
+  cat "$OUT/tests.tmp" >> "$LOG"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.tmp" | head -n 20
+  tests_summary=$(tail -n 1 "$OUT/tests.tmp")
+  echo "$tests_summary"
+  rm -f "$OUT/tests.tmp"
+  section "benchmark"
+  # cut down to what the targets need: decode, prefill, aligned and unaligned Llama shapes
+  if timeout "$(step_timeout 240 10)" "$PYTHON" benchmarks/bench_cuda.py --rows 1,16,1024,4096 \
+      --shapes "Llama-3-8B,unaligned" --repeats 5 --output-dir "$OUT" >> "$LOG" 2>&1; then
     status_bench=ok
-    cp "$OUT"/cuda.md "$OUT"/cuda.png benchmarks/results/ 2> /dev/null
   else
     status_bench=FAILED
-    tail -n 30 "$OUT/bench.log"
+    tail -n 20 "$LOG"
+  fi
+  # With what is left (at least a minute): compute-sanitizer's memcheck over the tests of
+  # tails, strides and empty shapes, the caching allocator off so that it sees each buffer.
+  left=$(step_timeout 150 10)
+  if command -v compute-sanitizer > /dev/null && (( left >= 60 )); then
+    section "memcheck (${left}s)"
+    if PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$left" compute-sanitizer --tool memcheck --error-exitcode 99 \
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        -k "single_row or k_zero or empty or strides or nan_propagates" >> "$LOG" 2>&1; then
+      status_memcheck=ok
+    else
+      status_memcheck=FAILED
+    fi
   fi
 fi
 
 {
   echo
-  echo "== fp8linear GPU check: build $status_build, tests $status_tests, benchmark $status_bench ($(elapsed))"
-  grep -E "passed|failed|error" "$OUT/tests.log" 2> /dev/null | tail -1
+  echo "== fp8linear GPU check: build $status_build, tests $status_tests, benchmark $status_bench, memcheck $status_memcheck ($(elapsed) of ${DEADLINE}s)"
+  echo "tests: ${tests_summary:-not run}"
   if [ -f "$OUT/cuda.md" ]; then
     grep -E "^Measured ceilings" "$OUT/cuda.md"
-    # The decode and prefill rows of the Llama shapes, then the targets.
-    grep -E "^\| (layer|Llama-3-8B|unaligned)" "$OUT/cuda.md" | awk -F'|' \
-      'NR == 1 || $3 + 0 == 1 || $3 + 0 == 16 || $3 + 0 == 1024 || $3 + 0 == 4096' \
-      | cut -d'|' -f2-10
+    # The decode and prefill rows, then the targets.
+    grep -E "^\| (layer|Llama-3-8B|unaligned)" "$OUT/cuda.md" | cut -d'|' -f2-10
     sed -n '/^## Targets/,$p' "$OUT/cuda.md" | tail -n +3
   fi
 } | tee "$OUT/summary.txt"
