@@ -69,7 +69,7 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     # float32 output is refused: the fp8 tensor cores' 13-bit partial sums inside
     # cuBLASLt miss float32 accuracy (see csrc/cuda/cublaslt.cu)
     return (a_fp8 and not (a.dtype == b.dtype == E5M2) and out_dtype != torch.float32
-            and (m == 1 or a.stride(1) == 1) and (n == 1 or b.stride(0) == 1) and k % 16 == 0 and n % 16 == 0
+            and a.stride(1) == 1 and b.stride(0) == 1 and k % 16 == 0 and n % 16 == 0
             and lda % 16 == 0 and ldb % 16 == 0 and aligned and (not vectors or _capability()[0] == 9)
             and (bias is None or bias.dtype == out_dtype))
 
@@ -90,6 +90,7 @@ def _check(path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
         with pytest.raises(RuntimeError, match=f"forced path '{path}' cannot run this call"):
             fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
         return None
+    _poison_next_output(a.shape[0], b.shape[1], out_dtype)
     out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     assert out.device == a.device and out.dtype == out_dtype and out.shape == (a.shape[0], b.shape[1])
     if path != "auto" and a.shape[1] > 0 and out.numel():
@@ -97,7 +98,35 @@ def _check(path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
     exact = reference.scaled_mm_float64(a, b, scale_a, scale_b, bias=bias)
     error = relative_error(out, exact)
     assert error <= TOLERANCE[out_dtype], f"relative error {error:.2e} on path {path}"
+    _assert_each_element_close(out, exact, out_dtype, path)
     return out
+
+
+# Per element: the output dtype's rounding of the element itself, plus a floor scaled by
+# its row's magnitude (sums of many products cancel, so an element can be far smaller
+# than the terms it was summed from). A whole-matrix error of 1e-2 lets a few wrong or
+# unwritten elements of a large output pass; this does not.
+ELEMENT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}
+
+
+def _assert_each_element_close(out, exact, out_dtype, path):
+    if not out.numel():
+        return
+    out = out.double()
+    assert not torch.isnan(out).any(), f"NaN (unwritten?) elements on path {path}"
+    tolerance = ELEMENT_TOLERANCE[out_dtype]
+    row_rms = exact.pow(2).mean(dim=1, keepdim=True).sqrt()
+    bound = tolerance * exact.abs() + 4 * tolerance * row_rms + 1e-30
+    worst = ((out - exact).abs() / bound).max().item()
+    assert worst <= 1.0, f"an element is {worst:.1f}x its bound on path {path}"
+
+
+def _poison_next_output(m, n, out_dtype):
+    """Fill a block of the output's size with NaN and free it: torch's caching allocator
+    hands that block to the next allocation of the same size, so an element the kernel
+    does not write stays NaN instead of holding an earlier call's correct result."""
+    if m * n:
+        torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
 
 
 # ---- quantize_fp8 ----------------------------------------------------------------
@@ -259,6 +288,31 @@ def test_paths_strides(path):
     for a_, b_, sa in [(big_a[::2, ::2], b, scale_a), (a, b.contiguous(), scale_a), (a.t().contiguous().t(), b, scale_a),
                        (unaligned_a, b, scale_a), (a, b, expanded_scale), (big_a[::2, :70], b, scale_a)]:
         _check(path, a_, b_, sa, scale_b)
+
+
+@pytest.mark.parametrize("m, n", [(1, 48), (20, 1), (1, 1)])
+def test_paths_single_row_with_strided_k(path, m, n):
+    # one row of a (or column of b) whose K values are not adjacent: its leading dimension
+    # does not matter, its K stride does (cuBLASLt reads K contiguous bytes)
+    a, b, scale_a, scale_b = _operands(m, 64, n)
+    spread_a = torch.zeros(m, 128, dtype=a.dtype, device="cuda")
+    spread_a[:, ::2] = a
+    w = b.t()
+    spread_w = torch.zeros(n, 128, dtype=w.dtype, device="cuda")
+    spread_w[:, ::2] = w
+    for a_, b_ in [(spread_a[:, ::2], b), (a, spread_w[:, ::2].t()), (spread_a[:, ::2], spread_w[:, ::2].t())]:
+        assert a_.stride(1) != 1 or b_.stride(0) != 1
+        _check(path, a_, b_, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan")])
+def test_paths_k_zero_is_the_bias_whatever_the_scales(path, scale):
+    a = torch.zeros(4, 0, device="cuda").to(E4M3)
+    b = torch.zeros(0, 16, device="cuda").to(E4M3)
+    bias = torch.randn(16, device="cuda")
+    out = fp8linear.scaled_mm(a, b, torch.tensor(scale, device="cuda"), torch.ones((), device="cuda"), bias=bias,
+                              out_dtype=torch.float32)
+    assert torch.equal(out, bias.expand(4, 16))
 
 
 @pytest.mark.parametrize("m, k, n", [(0, 5, 7), (4, 5, 0), (0, 0, 0), (4, 0, 7), (33, 0, 16)])

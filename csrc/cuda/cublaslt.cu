@@ -129,7 +129,9 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
     // (scaled_mm.cu sends float32 outputs to our kernels, widened to float16).
     return "float32 output needs float32 sums; cuBLASLt's FP8 GEMM keeps 13-bit partial sums between promotions";
   }
-  if ((p->m > 1 && p->a_col_stride != 1) || (p->n > 1 && p->b_row_stride != 1)) {
+  // cuBLASLt reads K contiguous bytes of every row of a and column of b, also when there
+  // is only one (M = 1 or N = 1: the leading dimension does not matter then, the K stride does)
+  if (p->a_col_stride != 1 || p->b_row_stride != 1) {
     return "cuBLASLt FP8 takes only the TN layout: a row-major [M, K] and b = w.t() of a row-major [N, K] weight";
   }
   if (p->k % 16 != 0 || p->n % 16 != 0) return "cuBLASLt FP8 needs K and N to be multiples of 16";
