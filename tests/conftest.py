@@ -1,4 +1,6 @@
 """Shared fixtures: each CPU kernel variant forced in turn, seeded randomness."""
+import contextlib
+
 import pytest
 import torch
 
@@ -22,14 +24,23 @@ def _seed():
     torch.manual_seed(1234)
 
 
+@contextlib.contextmanager
+def forced_cpu_variant(name):
+    """The CPU kernel variant `name` while the block runs, the previous one after."""
+    module = native()
+    previous = module.cpu_variant()
+    module.set_cpu_variant(name)
+    try:
+        yield name
+    finally:
+        module.set_cpu_variant(previous)
+
+
 @pytest.fixture(params=native().cpu_variants_supported())
 def cpu_variant(request):
     """Run the test once per CPU kernel variant this machine supports."""
-    module = native()
-    previous = module.cpu_variant()
-    module.set_cpu_variant(request.param)
-    yield request.param
-    module.set_cpu_variant(previous)
+    with forced_cpu_variant(request.param):
+        yield request.param
 
 
 def bytes_of(q: torch.Tensor) -> torch.Tensor:

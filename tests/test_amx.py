@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import fp8linear
 from fp8linear import reference
 from fp8linear._native import native
-from conftest import relative_error
+from conftest import forced_cpu_variant, relative_error
 
 SUPPORTED = native().cpu_variants_supported()
 AMX_VARIANTS = [v for v in ("amx", "amx_emulated") if v in SUPPORTED]
@@ -31,11 +31,8 @@ pytestmark = pytest.mark.skipif(not AMX_VARIANTS, reason="needs AVX512-BF16 (for
 
 @pytest.fixture(params=AMX_VARIANTS)
 def amx_variant(request):
-    module = native()
-    previous = module.cpu_variant()
-    module.set_cpu_variant(request.param)
-    yield request.param
-    module.set_cpu_variant(previous)
+    with forced_cpu_variant(request.param):
+        yield request.param
 
 
 def _operands(m, k, n, dtype=torch.float8_e4m3fn, per_row=False):
@@ -148,18 +145,13 @@ def test_one_and_two_threads_agree_bit_for_bit(m, amx_variant):
 @pytest.mark.parametrize("m, k, n", [(5, 64, 16), (16, 577, 100), (40, 1025, 70), (64, 300, 513), (200, 700, 130),
                                      (600, 260, 600)])
 def test_model_matches_hardware_bit_for_bit(dtype, m, k, n):
-    module = native()
-    previous = module.cpu_variant()
     a, b, scale_a, scale_b = _operands(m, k, n, dtype)
     x = torch.randn(m, k, dtype=torch.bfloat16)  # weight-only: bf16 activations, normal values
-    try:
-        results = {}
-        for variant in ("amx", "amx_emulated"):
-            module.set_cpu_variant(variant)
+    results = {}
+    for variant in ("amx", "amx_emulated"):
+        with forced_cpu_variant(variant):
             results[variant] = (fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32),
                                 fp8linear.scaled_mm(x, b, torch.ones(()), scale_b, out_dtype=torch.float32))
-    finally:
-        module.set_cpu_variant(previous)
     for hardware, model in zip(results["amx"], results["amx_emulated"]):
         assert torch.equal(hardware, model)
 
@@ -171,17 +163,12 @@ def test_model_matches_hardware_near_the_denormal_range(dtype, m):
     # bf16 activations ~2^-118 times fp8 weights (2^-16 .. 57344): products and partial
     # sums fall on both sides of float32's smallest normal, where TDPBF16PS takes inputs
     # as zero and flushes results; some activations are bf16 denormals themselves
-    module = native()
-    previous = module.cpu_variant()
     x = (torch.randn(m, 640) * 2.0**-118).to(torch.bfloat16)
     w, scale_w = fp8linear.quantize_fp8(torch.randn(48, 640), dtype=dtype)
-    try:
-        results = {}
-        for variant in ("amx", "amx_emulated"):
-            module.set_cpu_variant(variant)
+    results = {}
+    for variant in ("amx", "amx_emulated"):
+        with forced_cpu_variant(variant):
             results[variant] = fp8linear.scaled_mm(x, w.t(), torch.ones(()), torch.ones(()), out_dtype=torch.float32)
-    finally:
-        module.set_cpu_variant(previous)
     hardware = results["amx"]
     assert torch.count_nonzero(hardware) > hardware.numel() // 2
     assert torch.equal(hardware.view(torch.int32), results["amx_emulated"].view(torch.int32))
