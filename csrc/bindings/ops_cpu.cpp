@@ -43,16 +43,19 @@ void advise_huge_pages(const at::Tensor& tensor) { advise_huge_pages(tensor.data
 // kept by each calling thread between calls and grown when a call needs more: fresh
 // buffers of megabytes per call cost page faults, and on VMs that hand freed memory
 // back to the host (free page reporting), faults through the host; the AMX kernel at
-// M = 1024 (8 MiB of workspace) ran at half speed in such phases. Calls that need more
-// than kKeptBytes (M x K beyond ~32 M elements) get a buffer of their own, freed after.
+// M = 1024 (8 MiB of workspace) ran at half speed in such phases. Calls whose workspace
+// is over kKeptWorkspaceBytes (M x K beyond ~32 M elements) get a buffer of their own,
+// freed after; the per-thread scratch (at most ~1 MiB a thread) does not count, so that
+// a server with many threads keeps its buffer too.
 class KernelMemory {
  public:
-  uint8_t* get(int64_t bytes) {
+  uint8_t* get(int64_t workspace_bytes, int64_t scratch_bytes) {
+    const int64_t bytes = workspace_bytes + scratch_bytes;
     if (bytes <= kept_bytes_) return kept_.get();
     Buffer fresh(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(round_up(bytes, 64)))));
     TORCH_CHECK(fresh, "fp8linear: could not allocate ", bytes, " bytes of scaled_mm workspace");
     advise_huge_pages(fresh.get(), bytes);
-    if (bytes > kKeptBytes) {
+    if (workspace_bytes > kKeptWorkspaceBytes) {
       once_ = std::move(fresh);
       return once_.get();
     }
@@ -65,7 +68,7 @@ class KernelMemory {
   static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
  private:
-  static constexpr int64_t kKeptBytes = int64_t{64} << 20;
+  static constexpr int64_t kKeptWorkspaceBytes = int64_t{64} << 20;
   struct Free {
     void operator()(uint8_t* pointer) const { std::free(pointer); }
   };
@@ -192,7 +195,7 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   thread_local KernelMemory kernel_memory;
   const int64_t workspace_bytes = KernelMemory::round_up(plan.workspace_bytes, 64);
   const int64_t scratch_bytes = KernelMemory::round_up(plan.scratch_bytes, 64);
-  uint8_t* const workspace = kernel_memory.get(workspace_bytes + threads * scratch_bytes);
+  uint8_t* const workspace = kernel_memory.get(workspace_bytes, threads * scratch_bytes);
   // Each thread of the pool has its own scratch area. A call made inside another parallel
   // region runs its loops on the calling thread alone, whose number may exceed the pool's.
   const auto scratch = [&] { return workspace + workspace_bytes + (at::get_thread_num() % threads) * scratch_bytes; };

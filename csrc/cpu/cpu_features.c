@@ -36,16 +36,19 @@ static uint64_t read_xcr0(void) {
 static const char* request_amx_permission(void) {
 #if defined(__linux__) && defined(SYS_arch_prctl)
   enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+  /* syscall() is variadic and the kernel reads unsigned longs */
   uint64_t permitted = 0;
-  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &permitted) == 0 && (permitted >> XFEATURE_XTILEDATA) & 1)
+  if (syscall(SYS_arch_prctl, (unsigned long)ARCH_GET_XCOMP_PERM, &permitted) == 0 &&
+      (permitted >> XFEATURE_XTILEDATA) & 1)
     return "";
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+  if (syscall(SYS_arch_prctl, (unsigned long)ARCH_REQ_XCOMP_PERM, (unsigned long)XFEATURE_XTILEDATA) != 0) {
     /* ENOSPC: a thread's signal stack is too small for the tile state; EINVAL: an old kernel */
     return errno == ENOSPC ? "Linux refused AMX permission (arch_prctl: a signal stack is too small for the tile state)"
                            : "Linux refused AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM failed; kernel older than 5.16?)";
   }
   permitted = 0;
-  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &permitted) != 0 || !((permitted >> XFEATURE_XTILEDATA) & 1))
+  if (syscall(SYS_arch_prctl, (unsigned long)ARCH_GET_XCOMP_PERM, &permitted) != 0 ||
+      !((permitted >> XFEATURE_XTILEDATA) & 1))
     return "Linux did not grant AMX permission (arch_prctl ARCH_GET_XCOMP_PERM)";
   return "";
 #else
@@ -106,17 +109,21 @@ static cpu_features detect(void) {
 }
 #endif
 
-/* Detected once; a race between first calls only repeats the detection (and the
- * permission request, which is idempotent), with the same result. */
+/* Detected once: the first caller detects (0 -> 1) and publishes (1 -> 2); callers that
+ * come meanwhile wait for it, so nothing reads `features` while it is written. */
 static cpu_features features;
-static int features_ready = 0; /* GCC atomics: valid in both C and C++ */
+static int features_state = 0; /* 0 not detected, 1 detecting, 2 ready (GCC atomics: C and C++) */
 static int active_variant = -1;
 
 static const cpu_features* get_features(void) {
-  if (!__atomic_load_n(&features_ready, __ATOMIC_ACQUIRE)) {
-    const cpu_features detected = detect();
-    features = detected;
-    __atomic_store_n(&features_ready, 1, __ATOMIC_RELEASE);
+  if (__atomic_load_n(&features_state, __ATOMIC_ACQUIRE) == 2) return &features;
+  int expected = 0;
+  if (__atomic_compare_exchange_n(&features_state, &expected, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    features = detect();
+    __atomic_store_n(&features_state, 2, __ATOMIC_RELEASE);
+  } else {
+    while (__atomic_load_n(&features_state, __ATOMIC_ACQUIRE) != 2) {
+    }
   }
   return &features;
 }

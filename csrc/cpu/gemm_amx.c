@@ -30,6 +30,13 @@
 
 #include "amx_tiles.h"
 
+/* The address `offset` bytes from `base`, for prefetches, which may point past the
+ * weights (the next panel or group of the last one): computed as an integer, since
+ * forming such a pointer by pointer arithmetic is undefined in C. */
+ALWAYS_INLINE const char* address_at(const void* base, int64_t offset) {
+  return (const char*)((uintptr_t)base + (uintptr_t)offset);
+}
+
 enum {
   AMX_ROWS = 16,                    /* rows of every tile */
   AMX_K = 32,                       /* k per tile product: 16 pairs of bf16 (64 bytes) per A-tile row */
@@ -95,7 +102,7 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
        * hardware prefetchers follow, and the same row's next K block, which the tile
        * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
        * one core: 26.1 -> 24.8 ms) */
-      _mm_prefetch((const char*)(w->src + AMX_PANEL_COLS * w->b_col_stride), _MM_HINT_T1);
+      _mm_prefetch(address_at(w->src, AMX_PANEL_COLS * w->b_col_stride), _MM_HINT_T1);
       __m512i out0, out1;
       widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), w->src), &out0, &out1);
       _mm512_store_si512(w->dest, out0);
@@ -289,7 +296,7 @@ BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const 
   for (int r = 0; r < AMX_STREAM_ROWS; ++r) {
     __m512i out0 = _mm512_setzero_si512(), out1 = _mm512_setzero_si512();
     if (r < cols) {
-      _mm_prefetch((const char*)(src + r * stride + ahead), _MM_HINT_T0);
+      _mm_prefetch(address_at(src, r * stride + ahead), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, src + r * stride), &out0, &out1);
     }
     _mm512_store_si512(dest + r * AMX_K, out0);
@@ -427,9 +434,14 @@ static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
   return AMX_COL_BLOCK * chunk_rows * (int64_t)sizeof(float);
 }
 
+/* Where the emulated tile registers go: after what the kernel uses (the stream kernel:
+ * up to 4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums). 64-byte aligned. */
+static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
+  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? 3 * 4096 : 2 * AMX_PANEL_BYTES + sums_bytes(plan);
+}
+
 int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan) {
-  /* the stream kernel's (4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums) is smaller */
-  const int64_t compute = 2 * AMX_PANEL_BYTES + sums_bytes(plan) + (int64_t)sizeof(amx_model);
+  const int64_t compute = model_offset(plan) + (int64_t)sizeof(amx_model);
   const int64_t prepare = fp8_bf16_scratch_bytes(plan); /* the packing of the activations */
   return compute > prepare ? compute : prepare;
 }
@@ -467,7 +479,7 @@ BF16_TARGET static void amx_compute_hardware(const fp8_scaled_mm_params* p, cons
 BF16_TARGET static void amx_compute_emulated(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                              const uint32_t* packed, uint8_t* scratch, int64_t m_begin,
                                              int64_t m_end, int64_t n_begin, int64_t n_end) {
-  amx_model* model = (amx_model*)(scratch + 2 * AMX_PANEL_BYTES + sums_bytes(plan)); /* 64-byte aligned */
+  amx_model* model = (amx_model*)(scratch + model_offset(plan));
   fill_config(&model->config);
   amx_compute(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, 1, model);
 }
