@@ -102,7 +102,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.method = FP8_MM_AMX;
       plan.m_padded = round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* as the tile kernel: the bindings split M too when N alone does not even out */
-      plan.tile_n = plan.m_padded <= 64 ? 16 : 64; /* the stream kernel takes 16 weight rows at a time */
+      plan.tile_n = plan.m_padded <= FP8_AMX_STREAM_MAX_ROWS ? 16 : 64;
     } else {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = round_up(p->m, 16);

@@ -277,7 +277,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
 enum {
   AMX_STREAM_ROWS = 16,      /* weight rows streamed side by side */
   AMX_STREAM_STEP = 64,      /* k per step: one cache line of each row */
-  AMX_STREAM_MAX_ROWS = 64,  /* activation rows: 4 groups of 16 */
+  AMX_STREAM_MAX_ROWS = FP8_AMX_STREAM_MAX_ROWS, /* activation rows: 4 groups of 16 */
   AMX_STREAM_PREFETCH = 256, /* bytes ahead in each row, into L1 */
   AMX_STREAM_BUFFERS = 2     /* widened steps: this one and the next (a third one measured no faster) */
 };
