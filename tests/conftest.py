@@ -25,15 +25,21 @@ def _seed():
 
 
 @contextlib.contextmanager
+def forced(get, set_, value):
+    """A native setting (read with get(), written with set_(value)) at `value` while the
+    block runs, back to what it was after."""
+    previous = get()
+    set_(value)
+    try:
+        yield value
+    finally:
+        set_(previous)
+
+
 def forced_cpu_variant(name):
     """The CPU kernel variant `name` while the block runs, the previous one after."""
     module = native()
-    previous = module.cpu_variant()
-    module.set_cpu_variant(name)
-    try:
-        yield name
-    finally:
-        module.set_cpu_variant(previous)
+    return forced(module.cpu_variant, module.set_cpu_variant, name)
 
 
 @pytest.fixture(params=native().cpu_variants_supported())

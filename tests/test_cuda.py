@@ -6,14 +6,13 @@ own CUDA arithmetic is not what the reference means: it may drop a NaN's sign).
 scaled_mm is compared with the float64 product of the dequantized operands, computed
 on the GPU so that Llama-sized shapes stay fast.
 """
-import contextlib
 import itertools
 
 import pytest
 import torch
 
 import fp8linear
-from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, relative_error
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, forced, relative_error
 from fp8linear import reference
 from fp8linear._native import native
 
@@ -28,15 +27,10 @@ def _capability():
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
-@contextlib.contextmanager
 def _forced(path):
+    """The scaled_mm CUDA path `path` while the block runs, the previous one after."""
     module = native()
-    previous = module.cuda_path()
-    module.set_cuda_path(path)
-    try:
-        yield
-    finally:
-        module.set_cuda_path(previous)
+    return forced(module.cuda_path, module.set_cuda_path, path)
 
 
 @pytest.fixture(params=PATHS)
