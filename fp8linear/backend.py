@@ -1,6 +1,8 @@
 """Which compute path a device gets, and the one-time warning on non-native paths."""
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 
@@ -56,11 +58,26 @@ def cpu_kernel_variant() -> str:
     return native().cpu_variant()
 
 
+# Frames in these directories are skipped when the warning picks the line it names: the
+# call of the model or layer in the user's code, not torch's Module.__call__ or ours.
+_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__))
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel of the first caller outside torch and fp8linear."""
+    frame, level = sys._getframe(1), 1  # level 1: the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_once_if_not_native(device: torch.device) -> None:
     """Warn the first time a non-native path runs, naming it and why."""
     if torch.compiler.is_compiling():  # traced code has already warned in eager mode, or will not need to
         return
     if device.type == "cpu" and CPU in _warned:  # the common case, once per forward: no device parsing
+        return
+    if device.type == "meta":  # shapes only: no kernel runs
         return
     path = backend(device)
     if path == CUDA_FP8 or path in _warned:
@@ -70,4 +87,5 @@ def warn_once_if_not_native(device: torch.device) -> None:
             return
         _warned.add(path)
     detail = f" ({cpu_kernel_variant()} kernels)" if path == CPU else ""
-    warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning, stacklevel=3)
+    warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning,
+                  stacklevel=_user_stacklevel())

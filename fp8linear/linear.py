@@ -63,6 +63,71 @@ def _resolve_config(config: FP8Config | None, options: dict) -> FP8Config:
     return config if config is not None else FP8Config(**options)
 
 
+_KERNEL_DTYPES = frozenset(ops.FLOAT_DTYPES)  # activation dtypes the kernels take; float64 is computed in float32
+_AUTOCAST_DEVICES = frozenset(("cpu", "cuda"))  # torch.is_autocast_enabled refuses "meta"
+_FROZEN_WEIGHT = ("FP8Linear's weight is fp8 and frozen: gradients for it are not supported (set "
+                  "weight.requires_grad = False). Train adapters such as LoRA on top of the layer, which "
+                  "get input gradients, or keep the layer an nn.Linear to train it.")
+
+
+def _product(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+             activation_scale: torch.Tensor | None, config: FP8Config, out_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output for a 2-D input: quantize the activations as config says (with
+    ``activation_scale``: the static input_scale, or the unit scale of weight-only layers),
+    then one scaled_mm."""
+    if config.activations == "none":
+        a, scale_a = x2d, activation_scale
+    elif config.activations == "static":
+        a, scale_a = ops.quantize_fp8(x2d, activation_scale, dtype=config.fp8_dtype)
+    else:
+        granularity = "row" if config.activation_granularity == "token" else "tensor"
+        a, scale_a = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+    # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t()
+    scale_b = weight_scale.reshape(1, -1) if weight_scale.dim() else weight_scale
+    return ops.scaled_mm(a, weight.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+def _input_gradient(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``grad_out @ (weight * weight_scale)`` in float32, the dequantized weight made a block
+    of rows at a time (16 MB of float32): never a full-precision copy of the weight."""
+    grad_out = grad_out.float()
+    out_features, in_features = weight.shape
+    rows = max(1, (1 << 22) // max(1, in_features))
+    grad = grad_out.new_zeros(grad_out.shape[0], in_features)
+    for start in range(0, out_features, rows):
+        block = weight[start:start + rows].float()  # exact: every fp8 value is a float32
+        block = block * (weight_scale[start:start + rows] if weight_scale.dim() else weight_scale)
+        grad.addmm_(grad_out[:, start:start + rows], block)
+    return grad
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """The layer's product with a backward for the input (and a trainable bias).
+
+    The input gradient is that of the dequantized layer, ``grad_out @ (W_fp8 * scale)``;
+    the activation quantization is passed through as the identity (the straight-through
+    estimator that quantization-aware and adapter training use): for weight-only layers
+    this is the exact gradient of the forward, for W8A8 that of its unrounded version.
+    """
+
+    @staticmethod
+    def forward(ctx, x2d, weight, weight_scale, bias, activation_scale, config, out_dtype):
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.input_dtype = x2d.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _product(x2d, weight, weight_scale, bias, activation_scale, config, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, weight_scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _input_gradient(grad_out, weight, weight_scale).to(ctx.input_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_out.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None, None, None
+
+
 def _check_scale_value(name: str, scale: torch.Tensor) -> None:
     """A stored scale must be finite and > 0; checked when it is set, never per call."""
     if scale.dtype != torch.float32:
@@ -116,8 +181,9 @@ class FP8Linear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight.detach()
-        if not weight.is_floating_point() or weight.dtype in ops.FP8_DTYPES:
-            raise ValueError(f"linear.weight must be float32, bfloat16 or float16, got {weight.dtype}")
+        if weight.dtype not in _KERNEL_DTYPES:
+            hint = ": convert the layer first, e.g. linear.float()" if weight.is_floating_point() else ""
+            raise ValueError(f"linear.weight must be float32, bfloat16 or float16, got {weight.dtype}{hint}")
         if weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not materialized): load the weights first")
         config = _resolve_config(config, options)
@@ -176,7 +242,13 @@ class FP8Linear(nn.Module):
         """Set the static activation scale (finite, > 0); used by calibration and loaders."""
         if self.config.activations != "static":
             raise ValueError(f"input_scale is only used with activations='static', this layer has {self.config.activations!r}")
-        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(()).to(self.weight.device)
+        if not isinstance(scale, (torch.Tensor, float, int)) or isinstance(scale, bool):
+            raise TypeError(f"input_scale must be a float or a one-element tensor, got {type(scale).__name__}")
+        scale = torch.as_tensor(scale, dtype=torch.float32)
+        if scale.numel() != 1:
+            raise ValueError(f"input_scale is one value per layer (static activations are per-tensor): "
+                             f"expected one element, got shape {list(scale.shape)}")
+        scale = scale.reshape(()).to(self.weight.device)
         _check_scale_value("input_scale", scale)
         self.input_scale = scale
         self._input_scale_ready = True
@@ -215,6 +287,10 @@ class FP8Linear(nn.Module):
                     self.weight = nn.Parameter(restored, requires_grad=False)
                 else:
                     setattr(self, name, restored)
+        if self.bias is not None and self.bias.dtype not in _KERNEL_DTYPES:
+            # model.double(): the bias stays in a dtype the kernels add (float32), as
+            # float64 inputs are computed in float32
+            self.bias = nn.Parameter(self.bias.detach().to(torch.float32), requires_grad=self.bias.requires_grad)
         return self
 
     # Plain pickle cannot serialize fp8 tensors in torch (their storage reduce looks up
@@ -242,24 +318,37 @@ class FP8Linear(nn.Module):
         # Decode calls small layers hundreds of times per token: the Python here costs
         # as much as the kernels for SmolLM2's 576 x 576, so nothing is done twice.
         warn_once_if_not_native(x.device)
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"input's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if self.weight.requires_grad:
+            raise RuntimeError(_FROZEN_WEIGHT)
+        input_dtype = x.dtype
+        if input_dtype not in _KERNEL_DTYPES:
+            if input_dtype != torch.float64:
+                raise ValueError(f"FP8Linear's input must be float32, bfloat16 or float16 (float64 is computed in "
+                                 f"float32), got {input_dtype}")
+            x = x.to(torch.float32)
+        elif x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # as nn.Linear: compute and return that dtype
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         config = self.config
         if config.activations == "none":
-            a, scale_a = x2d, self.unit_scale
+            activation_scale = self.unit_scale
         elif config.activations == "static":
             if not self._input_scale_ready:
                 raise RuntimeError("input_scale is not set: run fp8linear.calibrate(model, batches) "
                                    "or load a checkpoint with input scales before the forward pass")
-            a, scale_a = ops.quantize_fp8(x2d, self.input_scale, dtype=config.fp8_dtype)
+            activation_scale = self.input_scale
         else:
-            granularity = "row" if config.activation_granularity == "token" else "tensor"
-            a, scale_a = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-        # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t()
-        scale_b = self.weight_scale.reshape(1, -1) if self.weight_scale.dim() else self.weight_scale
-        out = ops.scaled_mm(a, self.weight.t(), scale_a, scale_b, bias=self.bias, out_dtype=x.dtype)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+            activation_scale = None
+        bias = self.bias
+        if torch.is_grad_enabled() and (x2d.requires_grad or (bias is not None and bias.requires_grad)):
+            out = _FP8LinearFunction.apply(x2d, self.weight, self.weight_scale, bias, activation_scale, config,
+                                           x2d.dtype)
+        else:
+            out = _product(x2d, self.weight, self.weight_scale, bias, activation_scale, config, x2d.dtype)
+        out = out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+        return out if input_dtype != torch.float64 else out.to(torch.float64)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

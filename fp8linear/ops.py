@@ -17,6 +17,20 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRANULARITIES = ("tensor", "row")
 
 
+def _check_types(op: str, tensors: dict, optional: dict, dtypes: dict) -> None:
+    """TypeError naming the argument for a non-tensor operand or a non-dtype dtype: the
+    dispatcher's own message for these names a schema, not the call."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in optional.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(value).__name__}")
+    for name, value in dtypes.items():
+        if not isinstance(value, torch.dtype):
+            raise TypeError(f"{op}: {name} must be a torch.dtype, got {type(value).__name__} {value!r}")
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     if dtype not in FP8_DTYPES:
@@ -38,9 +52,14 @@ def quantize_fp8(
     elements of the whole tensor (``granularity="tensor"``, scale shape ``()``) or
     of each row over the last dimension (``"row"``, scale shape
     ``x.shape[:-1] + (1,)``). A given ``scale`` (float32, that shape) is used as
-    is. Each element is ``rne(clamp(x / scale, -FMAX, FMAX))``: one rounding,
-    saturating, NaN kept.
+    is; it must be finite and > 0 (checked for CPU tensors; a CUDA scale is not read,
+    which would cost a device sync per call: there a 0, negative or non-finite scale
+    gives saturated or NaN values). Each element is ``rne(clamp(x / scale, -FMAX, FMAX))``:
+    one rounding, saturating, NaN kept.
     """
+    if not isinstance(x, torch.Tensor) or (scale is not None and not isinstance(scale, torch.Tensor)) \
+            or not isinstance(dtype, torch.dtype):
+        _check_types("quantize_fp8", {"x": x}, {"scale": scale}, {"dtype": dtype})
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     native()
@@ -71,8 +90,14 @@ def scaled_mm(
     ``[N, K]`` as ``w.t()``); ``a`` may also be float32/bfloat16/float16 for
     weight-only use (fp8 weights widened inside the kernel, never copied); scale_a is ``()`` or ``[M, 1]``, scale_b ``()`` or
     ``[1, N]``, float32; bias ``[N]``. Any M, N, K, aligned or not: the semantics
-    of ``torch._scaled_mm`` without its alignment and hardware limits.
+    of ``torch._scaled_mm`` without its alignment and hardware limits. Scales must be
+    finite and > 0 (checked for CPU tensors only, as in quantize_fp8).
     """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(scale_a, torch.Tensor)
+            and isinstance(scale_b, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+            and isinstance(out_dtype, torch.dtype)):
+        _check_types("scaled_mm", {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}, {"bias": bias},
+                     {"out_dtype": out_dtype})
     native()
     return torch.ops.fp8linear.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
 
@@ -80,6 +105,14 @@ def scaled_mm(
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _check_device(tensor: torch.Tensor, name: str, expected: torch.device, owner: str) -> None:
+    # RuntimeError, as the bindings' TORCH_CHECK and nn.Linear raise for mixed devices.
+    # Without this the Meta kernel (this fake) would answer a call that mixes a meta
+    # tensor with CPU ones with an uninitialized CPU tensor.
+    if tensor.device != expected:
+        raise RuntimeError(f"{name} must be on {owner}'s device {expected}, got {tensor.device}")
 
 
 def _register_fakes() -> None:
@@ -94,6 +127,7 @@ def _register_fakes() -> None:
             scale_shape = ()
         if scale is not None:
             _check(scale.dtype == torch.float32, f"scale must be torch.float32, got {scale.dtype}")
+            _check_device(scale, "scale", x.device, "x")
             if per_row:
                 _check(tuple(scale.shape) == scale_shape, f"scale for granularity 'row' must have shape {scale_shape}")
             else:
@@ -111,11 +145,14 @@ def _register_fakes() -> None:
         _check(out_dtype in FLOAT_DTYPES, f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
         _check(a.shape[1] == b.shape[0], f"a [M, K] and b [K, N] must share K: {tuple(a.shape)}, {tuple(b.shape)}")
         m, n = a.shape[0], b.shape[1]
+        for tensor, name in ((b, "b"), (scale_a, "scale_a"), (scale_b, "scale_b")):
+            _check_device(tensor, name, a.device, "a")
         _check(scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32, "scale_a and scale_b must be torch.float32")
         _check(scale_a.numel() == 1 or tuple(scale_a.shape) == (m, 1), f"scale_a must have shape () or [M, 1] = [{m}, 1]")
         _check(scale_b.numel() == 1 or tuple(scale_b.shape) == (1, n), f"scale_b must have shape () or [1, N] = [1, {n}]")
         if bias is not None:
             _check(bias.dim() == 1 and bias.shape[0] == n, f"bias must have shape [N] = [{n}]")
+            _check_device(bias, "bias", a.device, "a")
         return a.new_empty((m, n), dtype=out_dtype)
 
 

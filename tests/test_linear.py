@@ -108,8 +108,10 @@ def test_bad_options_and_inputs():
     layer = FP8Linear.from_linear(nn.Linear(8, 4))
     with pytest.raises(ValueError, match="in_features=8"):
         layer(torch.randn(3, 9))
-    with pytest.raises(ValueError, match="x must be torch.float32"):
-        layer(torch.randn(3, 8).double())
+    with pytest.raises(ValueError, match="input must be float32, bfloat16 or float16"):
+        layer(torch.ones(3, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="in_features=8"):
+        layer(torch.tensor(1.0))  # 0-d
 
 
 def test_from_linear_leaves_the_original_alone():

@@ -87,10 +87,10 @@ def test_empty_and_k_zero(m, k, n):
     assert torch.equal(out, bias.expand(m, n))
 
 
-@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, 1e30])
+@pytest.mark.parametrize("scale", [1e30, 1e-30, float(torch.finfo(torch.float32).max)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_k_zero_is_exactly_the_bias_whatever_the_scales(scale, with_bias):
-    # an empty sum is zero: 0 * scale must not turn an inf or NaN scale into NaN outputs
+    # an empty sum is zero: 0 * scale must not turn a huge scale into anything but the bias
     a = torch.zeros(4, 0).to(torch.float8_e4m3fn)
     b = torch.zeros(0, 7).to(torch.float8_e4m3fn)
     bias = torch.randn(7) if with_bias else None
@@ -98,6 +98,31 @@ def test_k_zero_is_exactly_the_bias_whatever_the_scales(scale, with_bias):
         out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.float32)
         expected = bias.expand(4, 7) if with_bias else torch.zeros(4, 7)
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, -1.0])
+@pytest.mark.parametrize("k", [0, 5])
+def test_non_positive_or_non_finite_cpu_scales_are_refused(bad, k):
+    # a CPU scale costs nothing to read: a 0, negative, inf or NaN one is an error, not NaN outputs
+    a = torch.zeros(3, k).to(torch.float8_e4m3fn)
+    b = torch.zeros(k, 6).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+    per_row = torch.ones(3, 1)
+    per_row[2, 0] = bad
+    per_col = torch.ones(1, 6)
+    per_col[0, 4] = bad
+    cases = [("scale_a", torch.tensor(bad), one), ("scale_a", per_row, one),
+             ("scale_b", one, torch.tensor(bad)), ("scale_b", one, per_col)]
+    for name, scale_a, scale_b in cases:
+        with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
+            fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        fp8linear.quantize_fp8(x, torch.tensor(bad))
+    row_scale = torch.ones(3, 1)
+    row_scale[1, 0] = bad
+    with pytest.raises(ValueError, match="scale must be finite and > 0.*index 1"):
+        fp8linear.quantize_fp8(x, row_scale, granularity="row")
 
 
 def test_nan_and_extremes_propagate(cpu_variant):

@@ -2,6 +2,7 @@
 
 #include <ATen/TensorUtils.h>
 
+#include <cmath>
 #include <sstream>
 
 namespace fp8linear {
@@ -96,6 +97,17 @@ void check_scaled_mm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
   }
 }
 
+void check_scale_values(const at::Tensor& scale, const char* argument) {
+  if (!scale.device().is_cpu() || scale.numel() == 0) return;  // elsewhere reading it would cost a device sync
+  const at::Tensor values = scale.contiguous();
+  const float* data = values.data_ptr<float>();
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    // NaN fails the first comparison, +inf the second
+    TORCH_CHECK_VALUE(data[i] > 0.0f && std::isfinite(data[i]), argument,
+                      " must be finite and > 0 (a dequantization multiplier), got ", data[i],
+                      values.numel() > 1 ? " at flat index " : "", values.numel() > 1 ? std::to_string(i) : "");
+  }
+}
 
 RowView row_view(const at::Tensor& x) {
   const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);

@@ -26,6 +26,10 @@ void check_scaled_mm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                           at::ScalarType out_dtype);
 
+// A scale given to an op must be finite and > 0: checked for CPU tensors, where it costs a
+// read of a few floats; a CUDA scale is not read (that would be a device sync per call).
+void check_scale_values(const at::Tensor& scale, const char* argument);
+
 // After check_scaled_mm_args a scale is either one element or one per row/column
 // ([M, 1] / [1, N]); with M or N = 1 the two readings agree.
 inline bool scale_is_per_row_or_column(const at::Tensor& scale) { return scale.numel() != 1; }

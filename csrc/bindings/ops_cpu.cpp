@@ -135,6 +135,7 @@ void quantize_per_row(const fp8_quantize_params& p, float* scales, bool dynamic)
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const std::optional<at::Tensor>& scale,
                                                     at::ScalarType dtype, bool per_row) {
   const std::vector<int64_t> scale_shape = check_quantize_args(x, scale, dtype, per_row);
+  if (scale.has_value()) check_scale_values(*scale, "scale");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   advise_huge_pages(q);
@@ -182,6 +183,8 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                          at::ScalarType out_dtype) {
   check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
+  check_scale_values(scale_a, "scale_a");
+  check_scale_values(scale_b, "scale_b");
   const int64_t m = a.size(0), n = b.size(1);
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   advise_huge_pages(out);
