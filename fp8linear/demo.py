@@ -143,14 +143,21 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16):
         path = smollm2_gguf_path()
         directory, name = str(path.parent), path.name
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
-        try:
-            loaded = AutoModelForCausalLM.from_pretrained(
-                directory, gguf_file=name, local_files_only=True, **dtype_argument
-            )
-            route = "dequantized by transformers"
-        except Exception as error:  # noqa: BLE001 - any failure there has the same remedy
+        if importlib.util.find_spec("accelerate") is None:
+            # transformers' GGUF loader requires accelerate, which fp8linear does not install
+            # (it changes how transformers loads models): read the file with the gguf package
             loaded = _load_llama_from_gguf(path, dtype)
-            route = f"dequantized with the gguf package; transformers failed: {error}"
+            route = "dequantized with the gguf package"
+        else:
+            try:
+                loaded = AutoModelForCausalLM.from_pretrained(
+                    directory, gguf_file=name, local_files_only=True, **dtype_argument
+                )
+                route = "dequantized by transformers"
+            except Exception as error:  # noqa: BLE001 - any failure there has the same remedy
+                loaded = _load_llama_from_gguf(path, dtype)
+                reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                route = f"dequantized with the gguf package, as transformers' GGUF loader failed: {reason}"
         description = f"SmolLM2-135M-Instruct from {name} ({route}), {dtype}"
     return loaded.to(device="cpu", dtype=dtype).eval(), tokenizer, description
 

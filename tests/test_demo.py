@@ -27,6 +27,17 @@ def test_demo_runs_on_the_real_model(capsys):
     assert "Prompt of 64 tokens, time to first token" in printed and "FP8 compute path: cpu (" in printed
 
 
+def test_demo_describes_how_it_loaded_the_model_without_a_failure_message():
+    # without accelerate, transformers' GGUF loader cannot run: the demo reads the file
+    # with the gguf package and says so, instead of "transformers failed: accelerate is required"
+    from fp8linear.demo import load_model
+
+    _, _, description = load_model()
+    assert "failed" not in description and "accelerate is required" not in description
+    if importlib.util.find_spec("accelerate") is None:
+        assert "dequantized with the gguf package" in description
+
+
 def test_prompt_ids_have_the_requested_length():
     from fp8linear.demo import load_model, prompt_ids
 
