@@ -33,7 +33,7 @@ def backend(device: torch.device | str | None = None) -> str:
 
     ``"cuda-fp8"``: FP8 tensor cores (compute capability >= 8.9);
     ``"cuda-upconvert"``: an older GPU, fp8 weights widened inside the kernels;
-    ``"cpu"``: the C kernels (AVX-512-BF16 / AVX-512 / AVX2 / scalar).
+    ``"cpu"``: the C kernels (AMX / AVX512-BF16 / AVX-512 / AVX2 / scalar, by the CPU).
     """
     device = torch.device("cpu" if device is None else device)
     if device.type == "cpu":

@@ -1,6 +1,6 @@
 """The two ops, quantize_fp8 and scaled_mm: the only caller of torch.ops.fp8linear.*.
 
-Each wrapper documents its contract (DESIGN.md section 3); the fake (meta)
+Each wrapper documents its contract (docs/design.md, numerics); the fake (meta)
 implementation beside each op mirrors the checks in csrc/bindings/checks.cpp so
 that torch.compile sees the same shapes and errors.
 """

@@ -76,7 +76,7 @@ def scaled_mm_float64(
     *,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The exact result (float64) that the tolerances of DESIGN.md are measured against."""
+    """The exact result (float64) that the tolerances of docs/design.md are measured against."""
     out = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
     if bias is not None:
         out = out + bias.double()

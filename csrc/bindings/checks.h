@@ -34,7 +34,7 @@ void check_scale_values(const at::Tensor& scale, const char* argument);
 // ([M, 1] / [1, N]); with M or N = 1 the two readings agree.
 inline bool scale_is_per_row_or_column(const at::Tensor& scale) { return scale.numel() != 1; }
 
-// The dynamic scale rule of DESIGN.md: max(amax / FMAX, 1 / (FMAX * 512)), in double.
+// The dynamic scale rule (docs/design.md): max(amax / FMAX, 1 / (FMAX * 512)), in double.
 inline float scale_from_amax(float amax, fp8_format format) {
   const double fmax = fp8_format_max(format);
   const double scale = static_cast<double>(amax) / fmax;

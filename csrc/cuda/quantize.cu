@@ -110,7 +110,7 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeArgs& args, int64_t
   }
 }
 
-// The rule of DESIGN.md in double, as scale_from_amax in checks.h.
+// The scale rule (docs/design.md) in double, as scale_from_amax in checks.h.
 template <fp8_format kFormat>
 __device__ __forceinline__ float scale_from_amax(float amax) {
   const double fmax = Fp8Traits<kFormat>::kMax;
