@@ -27,6 +27,9 @@ typedef struct {
 
 /* ---- scaled_mm ---------------------------------------------------------- */
 
+/* Block-wise scales (DeepSeek-V3 / Qwen3 FP8 checkpoints): one scale per 128 k. */
+enum { FP8_SCALE_BLOCK = 128 };
+
 typedef struct {
   const void* a;                          /* [M, K] fp8, or float (weight-only: a_is_float) */
   int64_t a_row_stride, a_col_stride;
@@ -36,10 +39,18 @@ typedef struct {
   int64_t b_row_stride, b_col_stride;
   int64_t m, n, k;
   fp8_format a_format, b_format;
-  const float* scale_a;                   /* [1] or [M] */
+  const float* scale_a;                   /* [1] or [M], or blocked: [M, ceil(K / 128)] */
   int scale_a_per_row;
-  const float* scale_b;                   /* [1] or [N] */
+  const float* scale_b;                   /* [1] or [N], or blocked: [ceil(K / 128), ceil(N / 128)] */
   int scale_b_per_col;
+  /* K-blocked scales: out[m, n] = sum over k blocks kb of 128 of
+   *   scale_a(m, kb) * scale_b(kb, n) * (float32 sum of the products in kb),
+   * scale_a(m, kb) = scale_a[m * scale_a_row_stride + kb] when scale_a_blocked (else the
+   * per-tensor / per-row scale), scale_b(kb, n) = scale_b[kb * scale_b_k_stride +
+   * (n / 128) * scale_b_n_stride] when scale_b_blocked (else per tensor / column). */
+  int scale_a_blocked, scale_b_blocked;
+  int64_t scale_a_row_stride;
+  int64_t scale_b_k_stride, scale_b_n_stride;
   const void* bias;                       /* [N] or NULL, contiguous */
   fp8_float_dtype bias_dtype;
   void* out;                              /* [M, N], row stride out_row_stride, unit column stride */
@@ -124,6 +135,17 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
 
 /* Reads bytes [0, bytes) of data once (XOR checksum): the benchmarks' memory probe. */
 uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
+
+/* Whether either scale varies along K (block-wise scaling). */
+static inline int fp8_k_blocked(const fp8_scaled_mm_params* p) { return p->scale_a_blocked || p->scale_b_blocked; }
+
+/* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call (kb: the block of 128 k). */
+static inline float fp8_k_block_scale(const fp8_scaled_mm_params* p, int64_t m, int64_t n, int64_t kb) {
+  const float a = p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb] : p->scale_a[p->scale_a_per_row ? m : 0];
+  const float b = p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
+                                     : p->scale_b[p->scale_b_per_col ? n : 0];
+  return a * b;
+}
 
 #ifdef __cplusplus
 }

@@ -14,7 +14,10 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "FP8_DTYPES", "fp8_max
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-GRANULARITIES = ("tensor", "row")
+GRANULARITIES = ("tensor", "row", "group", "block")
+#: The block of scaled_mm's block-wise scales (DeepSeek-V3 / Qwen3 FP8 checkpoints): 128 x 128
+#: weight blocks, activation groups of 128 along K.
+SCALE_BLOCK = 128
 
 
 def _check_types(op: str, tensors: dict, optional: dict, dtypes: dict) -> None:
@@ -44,6 +47,8 @@ def quantize_fp8(
     *,
     dtype: torch.dtype = torch.float8_e4m3fn,
     granularity: str = "tensor",
+    group_size: int = SCALE_BLOCK,
+    block_size: tuple[int, int] = (SCALE_BLOCK, SCALE_BLOCK),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (float32/bfloat16/float16, any shape and strides) to fp8.
 
@@ -51,7 +56,12 @@ def quantize_fp8(
     scale is dynamic: ``max(amax / FMAX, 1 / (FMAX * 512))`` over the finite
     elements of the whole tensor (``granularity="tensor"``, scale shape ``()``) or
     of each row over the last dimension (``"row"``, scale shape
-    ``x.shape[:-1] + (1,)``). A given ``scale`` (float32, that shape) is used as
+    ``x.shape[:-1] + (1,)``), of each group of ``group_size`` consecutive elements of
+    the last dimension (``"group"``, activations of block-wise layers: scale shape
+    ``x.shape[:-1] + (ceil(K / group_size),)``), or of each ``block_size`` block of a 2-D
+    ``x`` (``"block"``, weights: scale shape ``[ceil(N / 128), ceil(K / 128)]`` for the
+    default 128 x 128); partial blocks at the edges have their own scale, and a block of
+    zeros gets the floor. A given ``scale`` (float32, that shape) is used as
     is; it must be finite and > 0 (checked for CPU tensors; a CUDA scale is not read,
     which would cost a device sync per call: there a 0, negative or non-finite scale
     gives saturated or NaN values). Each element is ``rne(clamp(x / scale, -FMAX, FMAX))``:
@@ -63,6 +73,17 @@ def quantize_fp8(
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     native()
+    if granularity == "group":
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, 1, group_size)
+    if granularity == "block":
+        if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in block_size)):
+            raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
+        if block_size[0] == 1:
+            raise ValueError("block_size (1, g) is a group: use granularity='group', group_size=g")
+        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, block_size[0], block_size[1])
     return torch.ops.fp8linear.quantize_fp8(x, scale, dtype, granularity == "row")
 
 
@@ -90,7 +111,13 @@ def scaled_mm(
     ``[N, K]`` as ``w.t()``); ``a`` may also be float32/bfloat16/float16 for
     weight-only use (fp8 weights widened inside the kernel, never copied); scale_a is ``()`` or ``[M, 1]``, scale_b ``()`` or
     ``[1, N]``, float32; bias ``[N]``. Any M, N, K, aligned or not: the semantics
-    of ``torch._scaled_mm`` without its alignment and hardware limits. Scales must be
+    of ``torch._scaled_mm`` without its alignment and hardware limits.
+
+    Block-wise scales (128 along K): scale_a ``[M, ceil(K / 128)]`` (per token and group
+    of 128 k, from ``quantize_fp8(x, granularity="group")``) and/or scale_b
+    ``[ceil(K / 128), ceil(N / 128)]`` (a weight's ``[ceil(N / 128), ceil(K / 128)]`` block
+    scales transposed, as ``w_scale.t()``). Then each block of 128 k is summed in float32
+    on its own and ``out[m, n] = sum_kb scale_a(m, kb) * scale_b(kb, n) * sum_kb[m, n]``. Scales must be
     finite and > 0 (checked for CPU tensors only, as in quantize_fp8).
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(scale_a, torch.Tensor)
@@ -136,6 +163,26 @@ def _register_fakes() -> None:
         out_scale = scale.clone() if scale is not None else x.new_empty(scale_shape, dtype=torch.float32)
         return q, out_scale
 
+    @torch.library.register_fake("fp8linear::quantize_fp8_blocks")
+    def _quantize_fp8_blocks_fake(x, scale, dtype, block_rows, block_cols):
+        _check(x.dtype in FLOAT_DTYPES, f"x must be torch.float32, torch.bfloat16 or torch.float16, got {x.dtype}")
+        _check(dtype in FP8_DTYPES, f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        _check(block_rows >= 1 and block_cols >= 1, f"block sizes must be >= 1, got {block_rows} x {block_cols}")
+        if block_rows == 1:
+            _check(x.dim() >= 1, "granularity 'group' needs x with at least 1 dimension, got a 0-d tensor")
+            scale_shape = (*x.shape[:-1], -(-x.shape[-1] // block_cols))
+        else:
+            _check(x.dim() == 2, f"granularity 'block' needs a 2-D x [rows, cols], got {x.dim()}-D")
+            scale_shape = (-(-x.shape[0] // block_rows), -(-x.shape[1] // block_cols))
+        if scale is not None:
+            _check(scale.dtype == torch.float32, f"scale must be torch.float32, got {scale.dtype}")
+            _check_device(scale, "scale", x.device, "x")
+            _check(tuple(scale.shape) == scale_shape,
+                   f"scale for blocks of {block_rows} x {block_cols} must have shape {list(scale_shape)}")
+        q = x.new_empty(x.shape, dtype=dtype)
+        out_scale = scale.clone() if scale is not None else x.new_empty(scale_shape, dtype=torch.float32)
+        return q, out_scale
+
     @torch.library.register_fake("fp8linear::scaled_mm")
     def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype):
         _check(a.dim() == 2, f"a must be 2-D [M, K], got {a.dim()}-D")
@@ -148,8 +195,13 @@ def _register_fakes() -> None:
         for tensor, name in ((b, "b"), (scale_a, "scale_a"), (scale_b, "scale_b")):
             _check_device(tensor, name, a.device, "a")
         _check(scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32, "scale_a and scale_b must be torch.float32")
-        _check(scale_a.numel() == 1 or tuple(scale_a.shape) == (m, 1), f"scale_a must have shape () or [M, 1] = [{m}, 1]")
-        _check(scale_b.numel() == 1 or tuple(scale_b.shape) == (1, n), f"scale_b must have shape () or [1, N] = [1, {n}]")
+        k_blocks, n_blocks = -(-a.shape[1] // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+        _check((scale_a.numel() == 1 and scale_a.dim() <= 2) or tuple(scale_a.shape) in ((m, 1), (m, k_blocks)),
+               f"scale_a must have shape () (per tensor), [M, 1] = [{m}, 1] (per row) or "
+               f"[M, ceil(K / 128)] = [{m}, {k_blocks}] (per row and block of 128 k)")
+        _check((scale_b.numel() == 1 and scale_b.dim() <= 2) or tuple(scale_b.shape) in ((1, n), (k_blocks, n_blocks)),
+               f"scale_b must have shape () (per tensor), [1, N] = [1, {n}] (per column) or "
+               f"[ceil(K / 128), ceil(N / 128)] = [{k_blocks}, {n_blocks}] (per 128 x 128 block)")
         if bias is not None:
             _check(bias.dim() == 1 and bias.shape[0] == n, f"bias must have shape [N] = [{n}]")
             _check_device(bias, "bias", a.device, "a")

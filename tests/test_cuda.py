@@ -50,6 +50,10 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     n = b.shape[1]
     if path in ("auto", "generic") or k == 0 or m == 0 or n == 0:
         return True
+    k_blocks = -(-k // 128)
+    if (scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1) or \
+            (scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n)):
+        return False  # block-wise scales: only the generic kernel sums per block of 128 k so far
     k_contiguous = k <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
     a_fp8 = a.dtype in FP8_DTYPES
     if path in ("gemm", "gemv"):
@@ -489,3 +493,34 @@ def test_fp8linear_on_cuda_matches_cpu():
     out_cuda = layer.cuda()(x.cuda())
     assert out_cuda.dtype == torch.bfloat16 and out_cuda.shape == (3, 7, 333)
     assert relative_error(out_cuda.cpu(), out_cpu.double()) <= 1e-2
+
+
+# ---- block-wise scales -----------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(5, 300), (2, 3, 257), (1, 128), (7, 1)])
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+def test_quantize_groups(shape, x_dtype):
+    x = _data(shape, x_dtype).cuda()
+    q, s = fp8linear.quantize_fp8(x, granularity="group")
+    q_ref, s_ref = reference.quantize_fp8(x.cpu(), granularity="group")
+    assert torch.equal(s.cpu(), s_ref)
+    assert_same_fp8(q.cpu(), q_ref)
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (576, 1536), (129, 1)])
+def test_quantize_blocks(shape):
+    x = _data(shape, torch.bfloat16).cuda()
+    q, s = fp8linear.quantize_fp8(x, granularity="block")
+    q_ref, s_ref = reference.quantize_fp8(x.cpu(), granularity="block")
+    assert torch.equal(s.cpu(), s_ref)
+    assert_same_fp8(q.cpu(), q_ref)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 300, 260), (16, 4096, 4096), (70, 576, 1536), (300, 7168, 576)])
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_paths_blockwise(path, m, k, n, out_dtype):
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
+    _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda"), out_dtype=out_dtype)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # weight-only
+    _check(path, x, w.t(), torch.ones((), device="cuda"), scale_w.t(), out_dtype=out_dtype)

@@ -180,8 +180,8 @@ ONE = torch.ones(())
         ((torch.zeros(2, 4, dtype=torch.int8), _fp8(4, 3), ONE, ONE), "a must be torch.float8"),
         ((_fp8(2, 4), torch.zeros(4, 3), ONE, ONE), "b must be torch.float8"),
         ((_fp8(2, 4), _fp8(4, 3), ONE.double(), ONE), "scale_a must be torch.float32"),
-        ((_fp8(2, 4), _fp8(4, 3), ONE, torch.ones(3)), r"scale_b must have shape \(\) \(per tensor\) or \[1, N\] = \[1, 3\]"),
-        ((_fp8(2, 4), _fp8(4, 3), torch.ones(3, 1), ONE), r"scale_a must have shape \(\) \(per tensor\) or \[M, 1\] = \[2, 1\]"),
+        ((_fp8(2, 4), _fp8(4, 3), ONE, torch.ones(3)), r"scale_b must have shape \(\) \(per tensor\), \[1, N\] = \[1, 3\] \(per column\)"),
+        ((_fp8(2, 4), _fp8(4, 3), torch.ones(3, 1), ONE), r"scale_a must have shape \(\) \(per tensor\), \[M, 1\] = \[2, 1\] \(per row\)"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(args, message):

@@ -82,11 +82,16 @@ void check_scaled_mm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
   }
   TORCH_CHECK_VALUE(scale_a.scalar_type() == at::kFloat, "scale_a must be torch.float32, got ", scale_a.scalar_type());
   TORCH_CHECK_VALUE(scale_b.scalar_type() == at::kFloat, "scale_b must be torch.float32, got ", scale_b.scalar_type());
-  TORCH_CHECK_VALUE(is_one_element(scale_a) || scale_a.sizes() == c10::IntArrayRef({m, 1}),
-                    "scale_a must have shape () (per tensor) or [M, 1] = [", m, ", 1] (per row), got ",
-                    shape_string(scale_a.sizes()));
-  TORCH_CHECK_VALUE(is_one_element(scale_b) || scale_b.sizes() == c10::IntArrayRef({1, n}),
-                    "scale_b must have shape () (per tensor) or [1, N] = [1, ", n, "] (per column), got ",
+  const int64_t k_blocks = scale_blocks(a.size(1)), n_blocks = scale_blocks(n);
+  TORCH_CHECK_VALUE(is_one_element(scale_a) || scale_a.sizes() == c10::IntArrayRef({m, 1}) ||
+                        scale_a.sizes() == c10::IntArrayRef({m, k_blocks}),
+                    "scale_a must have shape () (per tensor), [M, 1] = [", m, ", 1] (per row) or [M, ceil(K / 128)] = [",
+                    m, ", ", k_blocks, "] (per row and block of 128 k), got ", shape_string(scale_a.sizes()));
+  TORCH_CHECK_VALUE(is_one_element(scale_b) || scale_b.sizes() == c10::IntArrayRef({1, n}) ||
+                        scale_b.sizes() == c10::IntArrayRef({k_blocks, n_blocks}),
+                    "scale_b must have shape () (per tensor), [1, N] = [1, ", n,
+                    "] (per column) or [ceil(K / 128), ceil(N / 128)] = [", k_blocks, ", ", n_blocks,
+                    "] (per 128 x 128 block: a weight's block scales [ceil(N / 128), ceil(K / 128)] transposed), got ",
                     shape_string(scale_b.sizes()));
   if (bias.has_value()) {
     const at::Tensor& t = *bias;
@@ -99,14 +104,56 @@ void check_scaled_mm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
 
 void check_scale_values(const at::Tensor& scale, const char* argument) {
   if (!scale.device().is_cpu() || scale.numel() == 0) return;  // elsewhere reading it would cost a device sync
-  const at::Tensor values = scale.contiguous();
+  // Read through the strides (a weight's block scales come transposed): no copy per call.
+  const bool two_d = scale.dim() == 2;
+  const at::Tensor values = two_d ? scale : scale.contiguous();
+  const int64_t rows = two_d ? values.size(0) : 1, cols = two_d ? values.size(1) : values.numel();
+  const int64_t row_stride = two_d ? values.stride(0) : 0, col_stride = two_d ? values.stride(1) : 1;
   const float* data = values.data_ptr<float>();
-  for (int64_t i = 0; i < values.numel(); ++i) {
-    // NaN fails the first comparison, +inf the second
-    TORCH_CHECK_VALUE(data[i] > 0.0f && std::isfinite(data[i]), argument,
-                      " must be finite and > 0 (a dequantization multiplier), got ", data[i],
-                      values.numel() > 1 ? " at flat index " : "", values.numel() > 1 ? std::to_string(i) : "");
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = data[r * row_stride + c * col_stride];
+      // NaN fails the first comparison, +inf the second
+      TORCH_CHECK_VALUE(v > 0.0f && std::isfinite(v), argument, " must be finite and > 0 (a dequantization multiplier), got ",
+                        v, scale.numel() > 1 ? " at flat index " : "",
+                        scale.numel() > 1 ? std::to_string(r * cols + c) : "");
+    }
   }
+}
+
+bool scale_a_is_blocked(const at::Tensor& scale_a, int64_t m, int64_t k) {
+  return scale_a.dim() == 2 && scale_a.size(1) != 1 && scale_a.size(0) == m && scale_a.size(1) == scale_blocks(k) &&
+         !is_one_element(scale_a);
+}
+
+bool scale_b_is_blocked(const at::Tensor& scale_b, int64_t k, int64_t n) {
+  return scale_b.dim() == 2 && !is_one_element(scale_b) && !(scale_b.size(0) == 1 && scale_b.size(1) == n) &&
+         scale_b.size(0) == scale_blocks(k) && scale_b.size(1) == scale_blocks(n);
+}
+
+std::vector<int64_t> check_quantize_blocks_args(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                at::ScalarType dtype, int64_t block_rows, int64_t block_cols) {
+  float_dtype_of(x.scalar_type(), "x");
+  fp8_format_of(dtype, "dtype");
+  TORCH_CHECK_VALUE(block_rows >= 1 && block_cols >= 1, "block sizes must be >= 1, got ", block_rows, " x ", block_cols);
+  std::vector<int64_t> scale_shape;
+  if (block_rows == 1) {
+    TORCH_CHECK_VALUE(x.dim() >= 1, "granularity 'group' needs x with at least 1 dimension, got a 0-d tensor");
+    scale_shape = x.sizes().vec();
+    scale_shape.back() = (x.size(-1) + block_cols - 1) / block_cols;
+  } else {
+    TORCH_CHECK_VALUE(x.dim() == 2, "granularity 'block' needs a 2-D x [rows, cols], got ", x.dim(), "-D shape ",
+                      shape_string(x.sizes()));
+    scale_shape = {(x.size(0) + block_rows - 1) / block_rows, (x.size(1) + block_cols - 1) / block_cols};
+  }
+  if (scale.has_value()) {
+    const at::Tensor& s = *scale;
+    TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, "scale must be torch.float32, got ", s.scalar_type());
+    TORCH_CHECK(s.device() == x.device(), "scale must be on x's device ", x.device(), ", got ", s.device());
+    TORCH_CHECK_VALUE(s.sizes().vec() == scale_shape, "scale for blocks of ", block_rows, " x ", block_cols,
+                      " must have shape ", shape_string(scale_shape), ", got ", shape_string(s.sizes()));
+  }
+  return scale_shape;
 }
 
 RowView row_view(const at::Tensor& x) {

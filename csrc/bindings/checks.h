@@ -30,9 +30,30 @@ void check_scaled_mm_args(const at::Tensor& a, const at::Tensor& b, const at::Te
 // read of a few floats; a CUDA scale is not read (that would be a device sync per call).
 void check_scale_values(const at::Tensor& scale, const char* argument);
 
-// After check_scaled_mm_args a scale is either one element or one per row/column
-// ([M, 1] / [1, N]); with M or N = 1 the two readings agree.
+// Blocks of FP8_SCALE_BLOCK (128) along a dimension of `size`.
+inline int64_t scale_blocks(int64_t size) { return (size + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK; }
+
+// K-blocked scales of scaled_mm (after check_scaled_mm_args): scale_a [M, ceil(K/128)]
+// other than [M, 1]; scale_b [ceil(K/128), ceil(N/128)] other than [1, N] and one element.
+bool scale_a_is_blocked(const at::Tensor& scale_a, int64_t m, int64_t k);
+bool scale_b_is_blocked(const at::Tensor& scale_b, int64_t k, int64_t n);
+
+// After check_scaled_mm_args a scale that is not blocked is either one element or one
+// per row/column ([M, 1] / [1, N]); with M or N = 1 the two readings agree.
 inline bool scale_is_per_row_or_column(const at::Tensor& scale) { return scale.numel() != 1; }
+
+// scale_b as the kernels read it: blocked scales with their strides (weight_scale.t() of a
+// layer is a transposed view: no copy per call), the others contiguous. (scale_a is
+// always made contiguous: activation scales come from quantize_fp8, contiguous.)
+inline at::Tensor scale_b_for_kernels(const at::Tensor& scale_b, int64_t k, int64_t n) {
+  return scale_b_is_blocked(scale_b, k, n) ? scale_b : scale_b.contiguous();
+}
+
+// Checks of quantize_fp8_blocks's arguments (blocks of block_rows x block_cols over x
+// seen as [rows, cols]; block_rows = 1: groups along the last dimension, any rank;
+// block_rows > 1: x 2-D); returns the scale shape.
+std::vector<int64_t> check_quantize_blocks_args(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                at::ScalarType dtype, int64_t block_rows, int64_t block_cols);
 
 // The dynamic scale rule (docs/design.md): max(amax / FMAX, 1 / (FMAX * 512)), in double.
 inline float scale_from_amax(float amax, fp8_format format) {

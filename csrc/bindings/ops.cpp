@@ -12,6 +12,11 @@ TORCH_LIBRARY(fp8linear, m) {
   m.def("quantize_fp8(Tensor x, Tensor? scale, ScalarType dtype, bool per_row) -> (Tensor, Tensor)");
   // a [M, K] fp8 (or float32/bfloat16/float16: weight-only), b [K, N] fp8, scale_a () or [M, 1], scale_b () or [1, N], bias [N].
   m.def("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  // One scale per block of block_rows x block_cols of x seen as [rows, cols] over its last
+  // dimension: block_rows = 1 is groups of block_cols along the last dimension (scale
+  // x.shape[:-1] + (ceil(cols / block_cols),)); block_rows > 1 needs a 2-D x (scale
+  // [ceil(rows / block_rows), ceil(cols / block_cols)]). Returns (q, scale).
+  m.def("quantize_fp8_blocks(Tensor x, Tensor? scale, ScalarType dtype, int block_rows, int block_cols) -> (Tensor, Tensor)");
 }
 
 #ifdef FP8LINEAR_WITH_CUDA

@@ -159,6 +159,42 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
   return {q, scale.has_value() ? scale->clone() : scales};
 }
 
+// One scale per block of block_rows x block_cols (block_rows = 1: groups along the last
+// dimension): a task per block, its amax (dynamic) and quantization back to back.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                           at::ScalarType dtype, int64_t block_rows, int64_t block_cols) {
+  const std::vector<int64_t> scale_shape = check_quantize_blocks_args(x, scale, dtype, block_rows, block_cols);
+  if (scale.has_value()) check_scale_values(*scale, "scale");
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  advise_huge_pages(q);
+  at::Tensor scales = scale.has_value() ? scale->contiguous() : at::empty(scale_shape, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) {  // nothing to quantize: dynamic scales are the floor (amax 0)
+    if (!scale.has_value()) scales.fill_(scale_from_amax(0.0f, format));
+    return {q, scale.has_value() ? scale->clone() : scales};
+  }
+  const RowView view = row_view(x);
+  const fp8_quantize_params p = quantize_params_of(view, q, format);
+  const int64_t row_blocks = (p.rows + block_rows - 1) / block_rows;
+  const int64_t col_blocks = (p.cols + block_cols - 1) / block_cols;
+  const bool dynamic = !scale.has_value();
+  float* const scale_data = scales.data_ptr<float>();  // row-major [row_blocks, col_blocks]
+  const int64_t grain = std::max<int64_t>(1, kQuantizeGrain / (block_rows * block_cols));
+  at::parallel_for(0, row_blocks * col_blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_amax(static_cast<size_t>(std::min(block_rows, p.rows)));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = (t / col_blocks) * block_rows, c0 = (t % col_blocks) * block_cols;
+      const int64_t r1 = std::min(p.rows, r0 + block_rows), c1 = std::min(p.cols, c0 + block_cols);
+      if (dynamic) {
+        fp8_cpu_row_amax(&p, r0, r1, c0, c1, row_amax.data());
+        scale_data[t] = scale_from_amax(*std::max_element(row_amax.begin(), row_amax.begin() + (r1 - r0)), format);
+      }
+      fp8_cpu_quantize(&p, r0, r1, c0, c1, scale_data + t, 0);
+    }
+  });
+  return {q, scale.has_value() ? scale->clone() : scales};
+}
+
 // The tile kernel's tiles as the plan sizes them can leave threads idle on small layers:
 // 576 weight rows are 9 tiles of 64, 5 for one thread and 4 for the other. Splitting M
 // too, into row tiles of whole groups of 16 rows (at least 96 rows each), evens the
@@ -190,7 +226,7 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   advise_huge_pages(out);
   if (m == 0 || n == 0) return out;
   // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
-  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   const int64_t threads = at::get_num_threads();
@@ -232,6 +268,7 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
 
 TORCH_LIBRARY_IMPL(fp8linear, CPU, m) {
   m.impl("quantize_fp8", &quantize_fp8_cpu);
+  m.impl("quantize_fp8_blocks", &quantize_fp8_blocks_cpu);
   m.impl("scaled_mm", &scaled_mm_cpu);
 }
 

@@ -75,6 +75,43 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   return {q, row_scales};
 }
 
+// Block and group scales on CUDA, in ATen operations that are the reference's arithmetic
+// (amax of the finite |x| per block, the scale rule in double, a true division, clamp,
+// one rounding): exact, though not yet a fused kernel.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                            at::ScalarType dtype, int64_t block_rows,
+                                                            int64_t block_cols) {
+  const std::vector<int64_t> scale_shape = check_quantize_blocks_args(x, scale, dtype, block_rows, block_cols);
+  check_cuda(x, "x");
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const double fmax = fp8_format_max(format);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  if (x.numel() == 0) {
+    if (scale.has_value()) return {q, scale->clone()};
+    return {q, at::full(scale_shape, scale_from_amax(0.0f, format), x.options().dtype(at::kFloat))};
+  }
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  const int64_t row_blocks = (rows + block_rows - 1) / block_rows, col_blocks = (cols + block_cols - 1) / block_cols;
+  const at::Tensor x2 = x.reshape({rows, cols}).to(at::kFloat);
+  at::Tensor scales;
+  if (scale.has_value()) {
+    scales = scale->reshape({row_blocks, col_blocks});
+  } else {
+    at::Tensor magnitude = x2.abs();
+    magnitude = at::where(at::isfinite(magnitude), magnitude, at::zeros({}, magnitude.options()));
+    magnitude = at::constant_pad_nd(magnitude, {0, col_blocks * block_cols - cols, 0, row_blocks * block_rows - rows});
+    const at::Tensor amax = magnitude.reshape({row_blocks, block_rows, col_blocks, block_cols}).amax({1, 3});
+    scales = (amax.to(at::kDouble) / fmax).clamp_min(1.0 / (fmax * 512.0)).to(at::kFloat);
+  }
+  const at::Tensor expanded = scales.repeat_interleave(block_rows, 0)
+                                  .repeat_interleave(block_cols, 1)
+                                  .slice(0, 0, rows)
+                                  .slice(1, 0, cols);
+  q.copy_((x2 / expanded).clamp(-fmax, fmax).to(dtype).reshape(x.sizes()));
+  return {q, scale.has_value() ? scale->clone() : scales.reshape(scale_shape)};
+}
+
 at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                           at::ScalarType out_dtype) {
@@ -88,7 +125,7 @@ at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
     return out;
   }
   // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
-  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b.contiguous();
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   fp8_cuda_path used = FP8_CUDA_PATH_NONE;
@@ -142,6 +179,7 @@ void register_cuda_python(pybind11::module& module) {
 TORCH_LIBRARY_IMPL(fp8linear, CUDA, m) {
   m.impl("quantize_fp8", &quantize_fp8_cuda);
   m.impl("scaled_mm", &scaled_mm_cuda);
+  m.impl("quantize_fp8_blocks", &quantize_fp8_blocks_cuda);
 }
 
 }  // namespace fp8linear

@@ -32,9 +32,15 @@ fp8_scaled_mm_params scaled_mm_params_of(const at::Tensor& a, const at::Tensor& 
   p.a_format = p.a_is_float ? FP8_E4M3FN : fp8_format_of(a.scalar_type(), "a");
   p.b_format = fp8_format_of(b.scalar_type(), "b");
   p.scale_a = scale_a.data_ptr<float>();
-  p.scale_a_per_row = scale_is_per_row_or_column(scale_a);
   p.scale_b = scale_b.data_ptr<float>();
-  p.scale_b_per_col = scale_is_per_row_or_column(scale_b);
+  p.scale_a_blocked = scale_a_is_blocked(scale_a, p.m, p.k);
+  p.scale_b_blocked = scale_b_is_blocked(scale_b, p.k, p.n);
+  p.scale_a_per_row = !p.scale_a_blocked && scale_is_per_row_or_column(scale_a);
+  p.scale_b_per_col = !p.scale_b_blocked && scale_is_per_row_or_column(scale_b);
+  p.scale_a_row_stride = p.scale_a_blocked ? scale_a.stride(0) : 0;
+  p.scale_b_k_stride = p.scale_b_blocked ? scale_b.stride(0) : 0;
+  p.scale_b_n_stride = p.scale_b_blocked ? scale_b.stride(1) : 0;
+  TORCH_INTERNAL_ASSERT(!p.scale_a_blocked || scale_a.stride(1) == 1, "blocked scale_a must be contiguous");
   p.bias = bias.defined() ? bias.data_ptr() : nullptr;
   p.bias_dtype = bias.defined() ? float_dtype_of(bias.scalar_type(), "bias") : FP8_FLOAT32;
   p.out = out.data_ptr();

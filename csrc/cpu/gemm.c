@@ -42,11 +42,22 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
     }
     for (int64_t n = n_begin; n < n_end; ++n) {
       for (int64_t i = 0; i < k; ++i) b_column[i] = decode_b[p->b[i * p->b_row_stride + n * p->b_col_stride]];
-      const float scale_b = p->scale_b[p->scale_b_per_col ? n : 0];
+      const float scale_b = fp8_k_blocked(p) ? 1.0f : p->scale_b[p->scale_b_per_col ? n : 0]; /* blocked: per block below */
       const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
       for (int64_t r = 0; r < rows; ++r) {
-        float acc = 0.0f;
         const float* a_row = a_block + r * k;
+        if (fp8_k_blocked(p)) { /* a float32 sum per block of 128 k, scaled, then summed */
+          float total = 0.0f;
+          for (int64_t k0 = 0; k0 < k; k0 += FP8_SCALE_BLOCK) {
+            float acc = 0.0f;
+            const int64_t k1 = k - k0 < FP8_SCALE_BLOCK ? k : k0 + FP8_SCALE_BLOCK;
+            for (int64_t i = k0; i < k1; ++i) acc += a_row[i] * b_column[i];
+            total += fp8_k_block_scale(p, m0 + r, n, k0 / FP8_SCALE_BLOCK) * acc;
+          }
+          fp8_store_float(p->out, p->out_dtype, (m0 + r) * p->out_row_stride + n, total + bias);
+          continue;
+        }
+        float acc = 0.0f;
         for (int64_t i = 0; i < k; ++i) acc += a_row[i] * b_column[i];
         const float scale = p->scale_a[p->scale_a_per_row ? m0 + r : 0] * scale_b;
         /* K = 0: an empty sum, so exactly the bias, whatever the scales (0 * inf is NaN) */
@@ -93,7 +104,9 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
      * saves (576 x 576, M = 2: 23.6 vs 33.3 us); from M = 2 on large layers the AMX
      * stream kernel reads the weights faster (4096 x 4096 from memory, M = 4: 635 vs
      * 885 us; 2 threads, Emerald Rapids). */
-    const int dot = amx ? p->m == 1 || (p->m <= 4 && p->m * p->n * p->k <= AMX_DOT_MAX_WORK) : p->m <= DOT_MAX_ROWS;
+    /* K-blocked scales: so far only the dot kernels sum per block of 128 k, at any M */
+    const int dot = fp8_k_blocked(p) ||
+                    (amx ? p->m == 1 || (p->m <= 4 && p->m * p->n * p->k <= AMX_DOT_MAX_WORK) : p->m <= DOT_MAX_ROWS);
     if (dot) {
       plan.method = FP8_MM_BF16_DOT;
       plan.tile_m = p->m;

@@ -75,7 +75,8 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
 /* ---- epilogue -------------------------------------------------------------- */
 
 ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
-  const float scale = p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  /* K-blocked calls come with the scales already applied per block */
+  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
   const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
@@ -86,15 +87,15 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
  * accumulators of 16 partial sums each, reduced once at the end. */
 BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                          const uint16_t* activations, int64_t k_padded, int64_t m0, int64_t n0,
-                                         const int ROWS, const int COLS) {
+                                         const int ROWS, const int COLS, const int BLOCKED) {
   /* With few (row, column) pairs, one accumulator each would chain every dot product
    * on the previous one's latency; the two halves of each 64-k step then get their
    * own accumulators (decode, M = 1: one chain of two dot products per 64 bytes
    * capped a thread near 24 GB/s). */
   const int split = ROWS * COLS <= 4;
-  __m512 acc[4][4], acc_high[4][4];
+  __m512 acc[4][4], acc_high[4][4], total[4][4];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = acc_high[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < COLS; ++c) acc[r][c] = acc_high[r][c] = total[r][c] = _mm512_setzero_ps();
   const uint8_t* weight_rows[4];
   for (int c = 0; c < COLS; ++c) weight_rows[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
   const int64_t k = p->k;
@@ -123,10 +124,24 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
         }
       }
     }
+    /* K-blocked scales: at the end of each block of 128 k (k_padded is a multiple of 64),
+     * its sums, scaled, join the totals, lane by lane */
+    if (BLOCKED && ((k0 + 64) % FP8_SCALE_BLOCK == 0 || k0 + 64 >= k_padded)) {
+      const int64_t kb = k0 / FP8_SCALE_BLOCK;
+      for (int r = 0; r < ROWS; ++r) {
+        for (int c = 0; c < COLS; ++c) {
+          const __m512 sums = split ? _mm512_add_ps(acc[r][c], acc_high[r][c]) : acc[r][c];
+          total[r][c] = _mm512_fmadd_ps(sums, _mm512_set1_ps(fp8_k_block_scale(p, m0 + r, n0 + c, kb)), total[r][c]);
+          acc[r][c] = acc_high[r][c] = _mm512_setzero_ps();
+        }
+      }
+    }
   }
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < COLS; ++c)
-      store_output(p, m0 + r, n0 + c, _mm512_reduce_add_ps(split ? _mm512_add_ps(acc[r][c], acc_high[r][c]) : acc[r][c]));
+      store_output(p, m0 + r, n0 + c,
+                   _mm512_reduce_add_ps(BLOCKED ? total[r][c]
+                                                : split ? _mm512_add_ps(acc[r][c], acc_high[r][c]) : acc[r][c]));
 }
 
 /* Weight rows are the outer loop: each block of them is read from memory once and
@@ -135,8 +150,11 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
  * (decode), read one weight row at a time instead: one sequential stream per thread
  * runs closer to the memory's bandwidth than four streams a row apart (14336 x 4096,
  * 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
-#define DOT_CASE(ROWS, COLS) \
-  case ROWS: dot_block(p, &t, activations, kp, m0, n, ROWS, COLS); break;
+#define DOT_CASE(ROWS, COLS)                                                        \
+  case ROWS:                                                                        \
+    if (blocked) dot_block(p, &t, activations, kp, m0, n, ROWS, COLS, 1);           \
+    else dot_block(p, &t, activations, kp, m0, n, ROWS, COLS, 0);                   \
+    break;
 #define DOT_ROW_BLOCKS(COLS)                                            \
   for (int64_t m0 = m_begin; m0 < m_end; m0 += 4) {                     \
     switch (m_end - m0 >= 4 ? 4 : (int)(m_end - m0)) {                  \
@@ -152,6 +170,7 @@ BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_
                                    int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
+  const int blocked = fp8_k_blocked(p);
   int64_t n = n_begin;
   /* 2-4 rows of a long K: their widened activations (2 bytes per k and row) no longer
    * fit in half of L1 and would stream from L2 once per weight row; four weight rows at

@@ -36,7 +36,8 @@ void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
 }
 
 ALWAYS_INLINE void store_dot(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
-  const float scale = p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  /* K-blocked calls come with the scales already applied per block */
+  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
   const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
@@ -44,10 +45,10 @@ ALWAYS_INLINE void store_dot(const fp8_scaled_mm_params* p, int64_t m, int64_t n
 /* ROWS activation rows x COLS weight rows; 16 k per step. */
 AVX512_TARGET ALWAYS_INLINE void dot_block_avx512(const fp8_scaled_mm_params* p, const float* activations,
                                                   int64_t k_padded, const float* decode, int64_t m0, int64_t n0,
-                                                  const int ROWS, const int COLS) {
-  __m512 acc[FLOAT_ROWS][FLOAT_COLS];
+                                                  const int ROWS, const int COLS, const int BLOCKED) {
+  __m512 acc[FLOAT_ROWS][FLOAT_COLS], total[FLOAT_ROWS][FLOAT_COLS];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < COLS; ++c) acc[r][c] = total[r][c] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < k_padded; k0 += 16) {
     const __mmask16 mask = p->k - k0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p->k - k0)) - 1u);
     __m512 w[FLOAT_COLS];
@@ -60,9 +61,18 @@ AVX512_TARGET ALWAYS_INLINE void dot_block_avx512(const fp8_scaled_mm_params* p,
       const __m512 a = _mm512_loadu_ps(activations + (m0 + r) * k_padded + k0);
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_fmadd_ps(a, w[c], acc[r][c]);
     }
+    /* K-blocked scales: each block's sums, scaled, join the totals lane by lane */
+    if (BLOCKED && ((k0 + 16) % FP8_SCALE_BLOCK == 0 || k0 + 16 >= k_padded)) {
+      for (int r = 0; r < ROWS; ++r) {
+        for (int c = 0; c < COLS; ++c) {
+          total[r][c] = _mm512_fmadd_ps(acc[r][c], _mm512_set1_ps(fp8_k_block_scale(p, m0 + r, n0 + c, k0 / FP8_SCALE_BLOCK)), total[r][c]);
+          acc[r][c] = _mm512_setzero_ps();
+        }
+      }
+    }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, _mm512_reduce_add_ps(BLOCKED ? total[r][c] : acc[r][c]));
 }
 
 AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
@@ -73,10 +83,10 @@ AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
 
 AVX2_TARGET ALWAYS_INLINE void dot_block_avx2(const fp8_scaled_mm_params* p, const float* activations,
                                               int64_t k_padded, const float* decode, int64_t m0, int64_t n0,
-                                              const int ROWS, const int COLS) {
-  __m256 acc[FLOAT_ROWS][FLOAT_COLS];
+                                              const int ROWS, const int COLS, const int BLOCKED) {
+  __m256 acc[FLOAT_ROWS][FLOAT_COLS], total[FLOAT_ROWS][FLOAT_COLS];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < COLS; ++c) acc[r][c] = total[r][c] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < k_padded; k0 += 8) {
     __m256 w[FLOAT_COLS];
     for (int c = 0; c < COLS; ++c) {
@@ -94,28 +104,43 @@ AVX2_TARGET ALWAYS_INLINE void dot_block_avx2(const fp8_scaled_mm_params* p, con
       const __m256 a = _mm256_loadu_ps(activations + (m0 + r) * k_padded + k0);
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
     }
+    /* K-blocked scales: each block's sums, scaled, join the totals lane by lane */
+    if (BLOCKED && ((k0 + 8) % FP8_SCALE_BLOCK == 0 || k0 + 8 >= k_padded)) {
+      for (int r = 0; r < ROWS; ++r) {
+        for (int c = 0; c < COLS; ++c) {
+          total[r][c] = _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(fp8_k_block_scale(p, m0 + r, n0 + c, k0 / FP8_SCALE_BLOCK)), total[r][c]);
+          acc[r][c] = _mm256_setzero_ps();
+        }
+      }
+    }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, sum8(acc[r][c]));
+    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, sum8(BLOCKED ? total[r][c] : acc[r][c]));
 }
 
 /* Blocks of up to FLOAT_ROWS activation rows by FLOAT_COLS weight rows, with
  * one-row and one-column tails. */
+#define FLOAT_DOT_CALL(BLOCK, ROWS, COLS)                                          \
+  do {                                                                             \
+    if (blocked) BLOCK(p, a, kp, decode, m0, n, ROWS, COLS, 1);                    \
+    else BLOCK(p, a, kp, decode, m0, n, ROWS, COLS, 0);                            \
+  } while (0)
 #define FLOAT_DOT_DRIVER(NAME, BLOCK, TARGET)                                                          \
   TARGET static void NAME(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a, \
                           int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {            \
     const float* decode = fp8_decode_table(p->b_format);                                               \
     const int64_t kp = plan->k_padded;                                                                 \
+    const int blocked = fp8_k_blocked(p);                                                              \
     int64_t m0 = m_begin;                                                                              \
     for (; m0 + FLOAT_ROWS <= m_end; m0 += FLOAT_ROWS) {                                               \
       int64_t n = n_begin;                                                                             \
-      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) BLOCK(p, a, kp, decode, m0, n, FLOAT_ROWS, FLOAT_COLS); \
-      for (; n < n_end; ++n) BLOCK(p, a, kp, decode, m0, n, FLOAT_ROWS, 1);                            \
+      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) FLOAT_DOT_CALL(BLOCK, FLOAT_ROWS, FLOAT_COLS);   \
+      for (; n < n_end; ++n) FLOAT_DOT_CALL(BLOCK, FLOAT_ROWS, 1);                                     \
     }                                                                                                  \
     for (; m0 < m_end; ++m0) {                                                                         \
       int64_t n = n_begin;                                                                             \
-      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) BLOCK(p, a, kp, decode, m0, n, 1, FLOAT_COLS);  \
-      for (; n < n_end; ++n) BLOCK(p, a, kp, decode, m0, n, 1, 1);                                     \
+      for (; n + FLOAT_COLS <= n_end; n += FLOAT_COLS) FLOAT_DOT_CALL(BLOCK, 1, FLOAT_COLS);            \
+      for (; n < n_end; ++n) FLOAT_DOT_CALL(BLOCK, 1, 1);                                              \
     }                                                                                                  \
   }
 

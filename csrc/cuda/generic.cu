@@ -1,6 +1,6 @@
 // scaled_mm for anything the tensor-core kernels do not take: arbitrary strides of a
-// and b, float32 activations (weight-only; a 16-bit mma would round them), K = 0, and
-// GPUs below sm_80. Plain SIMT: a 64 x 64 tile per block, each thread 4 x 4 outputs,
+// and b, float32 activations (weight-only; a 16-bit mma would round them), K = 0,
+// K-blocked (128 x 128 block-wise) scales, and GPUs below sm_80. Plain SIMT: a 64 x 64 tile per block, each thread 4 x 4 outputs,
 // operands decoded to float32 on their way into shared memory, exact fp8 products
 // and float32 sums (fmaf rounds once per step, as the reference's a * b + acc).
 #include "cuda_kernels.h"
@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(fp8_scaled_mm_params 
   // Consecutive threads load along the operand's unit stride when it has one (K for
   // a row-major activation or a Linear weight seen as w.t()), so loads coalesce.
   const bool a_k_fastest = p.a_col_stride == 1, b_k_fastest = p.b_row_stride == 1;
-  float acc[4][4] = {};
+  float acc[4][4] = {}, total[4][4] = {};
+  const bool blocked = p.scale_a_blocked || p.scale_b_blocked;
   for (int64_t k0 = 0; k0 < p.k; k0 += kDepth) {
     // Each tile holds 64 x 16 values: 4 per thread.
 #pragma unroll
@@ -65,11 +66,25 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(fp8_scaled_mm_params 
       }
     }
     __syncthreads();
+    // K-blocked scales: at the end of each block of 128 k (a multiple of kDepth), its
+    // float32 sums, scaled, join the totals
+    if (blocked && ((k0 + kDepth) % FP8_SCALE_BLOCK == 0 || k0 + kDepth >= p.k)) {
+      const int64_t kb = k0 / FP8_SCALE_BLOCK;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
+          if (m < p.m && n < p.n) total[i][j] = fmaf(k_block_scale(p, m, n, kb), acc[i][j], total[i][j]);
+          acc[i][j] = 0.0f;
+        }
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) store_result(p, m0 + ty + 16 * i, n0 + tx + 16 * j, acc[i][j]);
+    for (int j = 0; j < 4; ++j) store_result(p, m0 + ty + 16 * i, n0 + tx + 16 * j, blocked ? total[i][j] : acc[i][j]);
   }
 }
 

@@ -243,9 +243,22 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kRowTiles][kColumnTiles][
 }
 
 // out[m, n] = acc * scale_a[m] * scale_b[n] + bias[n], rounded once to the output dtype.
+// scale_a(m, kb) * scale_b(kb, n) of a K-blocked call (kernels.h's fp8_k_block_scale).
+__device__ __forceinline__ float k_block_scale(const fp8_scaled_mm_params& p, int64_t m, int64_t n, int64_t kb) {
+  const float a = p.scale_a_blocked ? __ldg(p.scale_a + m * p.scale_a_row_stride + kb)
+                                    : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0));
+  const float b = p.scale_b_blocked
+                      ? __ldg(p.scale_b + kb * p.scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p.scale_b_n_stride)
+                      : __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
+  return a * b;
+}
+
 __device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int64_t m, int64_t n, float acc) {
   if (m >= p.m || n >= p.n) return;
-  const float scale = __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
+  // K-blocked calls (the generic kernel) come with the scales applied per block
+  const bool blocked = p.scale_a_blocked || p.scale_b_blocked;
+  const float scale = blocked ? 1.0f
+                              : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
   // K = 0 (the generic kernel takes it): an empty sum, so exactly the bias, whatever the
   // scales (0 * inf is NaN)
   float value = p.k == 0 ? 0.0f : acc * scale;

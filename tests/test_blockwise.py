@@ -1,0 +1,240 @@
+"""Block-wise FP8 (DeepSeek-V3 / Qwen3 checkpoints): quantize_fp8 per group of 128 along K
+(activations) and per 128 x 128 block (weights), and scaled_mm summing each block of 128 k
+in float32 on its own, on every CPU kernel variant, against the reference."""
+import itertools
+
+import pytest
+import torch
+
+import fp8linear
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, relative_error
+from fp8linear import reference
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# partial edge blocks, one block, exactly two, and M from decode to GEMM sizes
+SHAPES = [(1, 300, 260), (2, 128, 129), (5, 129, 128), (9, 513, 70), (16, 256, 17), (33, 1, 200), (70, 700, 300)]
+
+
+def values(shape, dtype=torch.float32):
+    x = torch.randn(shape) * torch.logspace(-3, 3, shape[-1]).reshape(*([1] * (len(shape) - 1)), -1)
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# quantize_fp8: group and block granularity
+
+
+@pytest.mark.parametrize("shape", [(5, 300), (2, 3, 257), (1, 128), (4, 1), (7, 0), (0, 9)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_group_quantization_is_bit_exact(shape, dtype, fp8_dtype, cpu_variant):
+    x = values(shape, dtype) if 0 not in shape else torch.zeros(shape, dtype=dtype)
+    q, scale = fp8linear.quantize_fp8(x, dtype=fp8_dtype, granularity="group")
+    expected_q, expected_scale = reference.quantize_fp8(x, dtype=fp8_dtype, granularity="group")
+    assert scale.shape == (*shape[:-1], -(-shape[-1] // 128)) and scale.dtype == torch.float32
+    assert torch.equal(scale, expected_scale)
+    assert_same_fp8(q, expected_q)
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (128, 128), (129, 1), (1, 1), (576, 1536), (0, 5)])
+@pytest.mark.parametrize("block_size", [(128, 128), (64, 32), (3, 5)])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_block_quantization_is_bit_exact(shape, block_size, fp8_dtype, cpu_variant):
+    x = values(shape, torch.bfloat16) if 0 not in shape else torch.zeros(shape, dtype=torch.bfloat16)
+    q, scale = fp8linear.quantize_fp8(x, dtype=fp8_dtype, granularity="block", block_size=block_size)
+    expected_q, expected_scale = reference.quantize_fp8(x, dtype=fp8_dtype, granularity="block", block_size=block_size)
+    assert scale.shape == tuple(-(-s // b) for s, b in zip(shape, block_size))
+    assert torch.equal(scale, expected_scale)
+    assert_same_fp8(q, expected_q)
+
+
+def test_a_block_of_zeros_or_non_finite_values_gets_the_floor_scale():
+    w = torch.randn(200, 300)
+    w[:128, 128:256] = 0.0
+    w[128:, 256:] = float("nan")
+    w[0, 0] = float("inf")
+    q, scale = fp8linear.quantize_fp8(w, granularity="block")
+    floor = 1.0 / (448.0 * 512.0)
+    assert scale[0, 1] == pytest.approx(floor) and scale[1, 2] == pytest.approx(floor)
+    assert torch.all(scale > 0) and torch.all(torch.isfinite(scale))
+    assert q[0, 0].float() == 448.0  # inf saturates; it does not enter the block's amax
+    assert torch.isnan(q[128:, 256:].float()).all()
+    assert_same_fp8(q, reference.quantize_fp8(w, granularity="block")[0])
+
+
+def test_strided_inputs_and_threads(cpu_variant):
+    base = values((260, 600))
+    for x in (base[:, ::2], base.t(), base[3:250, 7:400]):
+        expected = reference.quantize_fp8(x, granularity="block")
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            q, scale = fp8linear.quantize_fp8(x, granularity="block")
+            assert torch.equal(scale, expected[1])
+            assert_same_fp8(q, expected[0])
+        expected = reference.quantize_fp8(x, granularity="group")
+        q, scale = fp8linear.quantize_fp8(x, granularity="group")
+        assert torch.equal(scale, expected[1])
+        assert_same_fp8(q, expected[0])
+    torch.set_num_threads(2)
+
+
+def test_given_block_scales_are_used_as_they_are():
+    w = values((300, 260))
+    scale = torch.rand(3, 3) + 0.01
+    q, used = fp8linear.quantize_fp8(w, scale, granularity="block")
+    assert torch.equal(used, scale) and used.data_ptr() != scale.data_ptr()
+    assert_same_fp8(q, reference.quantize_fp8(w, scale, granularity="block")[0])
+    x = values((4, 300))
+    group_scale = torch.rand(4, 3) + 0.01
+    q, used = fp8linear.quantize_fp8(x, group_scale, granularity="group")
+    assert_same_fp8(q, reference.quantize_fp8(x, group_scale, granularity="group")[0])
+
+
+def test_block_quantization_errors():
+    with pytest.raises(ValueError, match="needs a 2-D x"):
+        fp8linear.quantize_fp8(torch.randn(2, 3, 4), granularity="block")
+    with pytest.raises(ValueError, match="must have shape \\[3, 3\\]"):
+        fp8linear.quantize_fp8(torch.randn(300, 260), torch.ones(2, 2), granularity="block")
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        fp8linear.quantize_fp8(torch.randn(3, 4), granularity="group", group_size=0)
+    with pytest.raises(ValueError, match="block_size must be two positive ints"):
+        fp8linear.quantize_fp8(torch.randn(3, 4), granularity="block", block_size=(128,))
+    with pytest.raises(ValueError, match="use granularity='group'"):
+        fp8linear.quantize_fp8(torch.randn(3, 4), granularity="block", block_size=(1, 128))
+    bad = torch.ones(3, 3)
+    bad[1, 2] = 0.0
+    with pytest.raises(ValueError, match="scale must be finite and > 0.*index 5"):
+        fp8linear.quantize_fp8(torch.randn(300, 260), bad, granularity="block")
+
+
+# ---------------------------------------------------------------------------------------
+# scaled_mm with block-wise scales
+
+
+def blockwise_operands(m, k, n, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn):
+    a, scale_a = fp8linear.quantize_fp8(values((m, k)), dtype=a_dtype, granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), dtype=b_dtype, granularity="block")
+    return a, w, scale_a, scale_w
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_group_activations_times_block_weights(m, k, n, out_dtype, cpu_variant):
+    a, w, scale_a, scale_w = blockwise_operands(m, k, n)
+    bias = torch.randn(n)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t(), bias=bias)
+    assert relative_error(out, exact) <= TOLERANCE[out_dtype]
+    # the float32 reference sums each block of 128 k on its own, as the kernels do
+    mirrored = reference.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=torch.float32)
+    assert relative_error(out, mirrored.double()) <= TOLERANCE[out_dtype]
+
+
+def test_block_sums_are_not_one_sum_times_one_scale():
+    # block scales that differ by 2^20 between the two k blocks: a kernel that summed all
+    # of K and applied one scale would be off by orders of magnitude
+    a, w, scale_a, scale_w = blockwise_operands(3, 256, 130)
+    scale_w = scale_w.clone()
+    scale_w[:, 1] *= 2.0**20
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    expected = (a[:, :128].double() * scale_a[:, :1].double()) @ (w[:, :128].double().t() * scale_w[:, 0].double()
+                                                                  .repeat_interleave(128)[:130])
+    expected += (a[:, 128:].double() * scale_a[:, 1:].double()) @ (w[:, 128:].double().t() * scale_w[:, 1].double()
+                                                                   .repeat_interleave(128)[:130])
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
+def test_both_fp8_formats(a_dtype, b_dtype, cpu_variant):
+    a, w, scale_a, scale_w = blockwise_operands(6, 300, 140, a_dtype, b_dtype)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_weight_only_with_block_weights(m, dtype, cpu_variant):
+    x = values((m, 300), dtype)
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(260, 300), granularity="block")
+    one = torch.ones(())
+    out = fp8linear.scaled_mm(x, w.t(), one, scale_w.t(), out_dtype=dtype)
+    exact = reference.scaled_mm_float64(x, w.t(), one, scale_w.t())
+    assert relative_error(out, exact) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("a_scale_kind, b_scale_kind", [("group", "tensor"), ("group", "column"),
+                                                        ("tensor", "block"), ("row", "block")])
+def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind, b_scale_kind, cpu_variant):
+    m, k, n = 5, 300, 140
+    x, weight = values((m, k)), torch.randn(n, k)
+    granularity = {"group": "group", "tensor": "tensor", "row": "row"}[a_scale_kind]
+    a, scale_a = fp8linear.quantize_fp8(x, granularity=granularity)
+    if b_scale_kind == "block":
+        w, scale_w = fp8linear.quantize_fp8(weight, granularity="block")
+        scale_b = scale_w.t()
+    else:
+        w, scale_w = fp8linear.quantize_fp8(weight, granularity="row" if b_scale_kind == "column" else "tensor")
+        scale_b = scale_w.t() if b_scale_kind == "column" else scale_w
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_b, out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_b)) <= 1e-5
+
+
+def test_transposed_and_contiguous_block_scales_agree():
+    a, w, scale_a, scale_w = blockwise_operands(4, 400, 300)
+    view = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    copy = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t().contiguous(), out_dtype=torch.float32)
+    assert torch.equal(view, copy)
+
+
+def test_thread_count_does_not_change_the_bits():
+    a, w, scale_a, scale_w = blockwise_operands(20, 700, 300)
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        results.append(fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32))
+    torch.set_num_threads(2)
+    assert torch.equal(*results)
+
+
+def test_k_zero_with_block_scales_is_the_bias():
+    a, scale_a = fp8linear.quantize_fp8(torch.zeros(3, 0), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.zeros(5, 0), granularity="block")
+    bias = torch.randn(5)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=torch.float32)
+    assert torch.equal(out, bias.expand(3, 5))
+
+
+def test_block_scale_shape_errors():
+    a, w, scale_a, scale_w = blockwise_operands(4, 300, 260)
+    with pytest.raises(ValueError, match="scale_b must have shape .* \\[ceil\\(K / 128\\), ceil\\(N / 128\\)\\] = \\[3, 3\\]"):
+        fp8linear.scaled_mm(a, w.t(), scale_a, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="scale_a must have shape .* \\[M, ceil\\(K / 128\\)\\] = \\[4, 3\\]"):
+        fp8linear.scaled_mm(a, w.t(), torch.ones(4, 2), scale_w.t())
+    bad = scale_w.t().clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="scale_b must be finite and > 0"):
+        fp8linear.scaled_mm(a, w.t(), scale_a, bad)
+
+
+def test_meta_and_compile_see_the_block_shapes():
+    x = torch.randn(4, 300, device="meta")
+    q, scale = fp8linear.quantize_fp8(x, granularity="group")
+    assert q.device.type == "meta" and scale.shape == (4, 3)
+    w = torch.randn(260, 300, device="meta")
+    qw, scale_w = fp8linear.quantize_fp8(w, granularity="block")
+    assert scale_w.shape == (3, 3)
+    out = fp8linear.scaled_mm(q, qw.t(), scale, scale_w.t(), out_dtype=torch.bfloat16)
+    assert out.shape == (4, 260) and out.device.type == "meta"
+
+    torch._dynamo.reset()
+    w = torch.randn(260, 300)
+    qw, scale_w = fp8linear.quantize_fp8(w, granularity="block")
+
+    def f(x):
+        a, s = fp8linear.quantize_fp8(x, granularity="group")
+        return fp8linear.scaled_mm(a, qw.t(), s, scale_w.t(), out_dtype=torch.float32)
+
+    x = torch.randn(5, 300)
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x), f(x))
+    torch._dynamo.reset()
