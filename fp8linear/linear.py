@@ -12,21 +12,33 @@ from .backend import warn_once_if_not_native
 
 __all__ = ["FP8Config", "FP8Linear"]
 
-WEIGHT_GRANULARITIES = ("tensor", "channel")
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("dynamic", "static", "none")
-ACTIVATION_GRANULARITIES = ("tensor", "token")
+ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
+BLOCK = ops.SCALE_BLOCK  # 128: weight blocks of 128 x 128, activation groups of 128
+
+
+def weight_scale_shape(granularity: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The shape of weight_scale: () per tensor, [N, 1] per channel, [ceil(N/128), ceil(K/128)] per block."""
+    if granularity == "channel":
+        return (out_features, 1)
+    if granularity == "block":
+        return (-(-out_features // BLOCK), -(-in_features // BLOCK))
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8Config:
     """How an FP8Linear quantizes.
 
-    weight_granularity: one weight scale per tensor (``"tensor"``) or per output
-        channel (``"channel"``, shape ``[N, 1]``).
+    weight_granularity: one weight scale per tensor (``"tensor"``), per output
+        channel (``"channel"``, shape ``[N, 1]``), or per block of 128 x 128
+        (``"block"``, shape ``[ceil(N / 128), ceil(K / 128)]``: DeepSeek-V3 / Qwen3 FP8).
     activations: ``"dynamic"`` (scale from each call's input), ``"static"`` (a
         calibrated ``input_scale``), or ``"none"`` (weight-only: inputs stay in
         their precision, fp8 weights are widened inside the kernels).
-    activation_granularity: dynamic scale per tensor or per token (row).
+    activation_granularity: dynamic scale per tensor, per token (row), or per token
+        and group of 128 input features (``"group"``, as block-wise checkpoints expect).
     fp8_dtype: the fp8 format of weights and activations.
     """
 
@@ -50,10 +62,12 @@ class FP8Config:
 
     def describe(self) -> str:
         dtype = str(self.fp8_dtype).replace("torch.float8_", "")
-        weights = f"weights {dtype} per-{self.weight_granularity}"
+        weight_unit = "block 128x128" if self.weight_granularity == "block" else self.weight_granularity
+        weights = f"weights {dtype} per-{weight_unit}"
         if self.activations == "none":
             return weights + ", activations not quantized (weight-only)"
-        granularity = "per-tensor" if self.activations == "static" else f"per-{self.activation_granularity}"
+        unit = "group of 128" if self.activation_granularity == "group" else self.activation_granularity
+        granularity = "per-tensor" if self.activations == "static" else f"per-{unit}"
         return weights + f", activations {self.activations} {granularity}"
 
 
@@ -64,6 +78,8 @@ def _resolve_config(config: FP8Config | None, options: dict) -> FP8Config:
 
 
 _KERNEL_DTYPES = frozenset(ops.FLOAT_DTYPES)  # activation dtypes the kernels take; float64 is computed in float32
+_ACTIVATION_OP_GRANULARITY = {"tensor": "tensor", "token": "row", "group": "group"}
+_WEIGHT_OP_GRANULARITY = {"tensor": "tensor", "channel": "row", "block": "block"}
 _AUTOCAST_DEVICES = frozenset(("cpu", "cuda"))  # torch.is_autocast_enabled refuses "meta"
 _FROZEN_WEIGHT = ("FP8Linear's weight is fp8 and frozen: gradients for it are not supported (set "
                   "weight.requires_grad = False). Train adapters such as LoRA on top of the layer, which "
@@ -80,24 +96,32 @@ def _product(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     elif config.activations == "static":
         a, scale_a = ops.quantize_fp8(x2d, activation_scale, dtype=config.fp8_dtype)
     else:
-        granularity = "row" if config.activation_granularity == "token" else "tensor"
+        granularity = _ACTIVATION_OP_GRANULARITY[config.activation_granularity]
         a, scale_a = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-    # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t()
-    scale_b = weight_scale.reshape(1, -1) if weight_scale.dim() else weight_scale
+    # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t(), block
+    # scales [N/128, K/128] the [K/128, N/128] of w.t(): both are weight_scale.t()
+    scale_b = weight_scale.t() if weight_scale.dim() else weight_scale
     return ops.scaled_mm(a, weight.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype)
 
 
-def _input_gradient(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def _input_gradient(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    blocked: bool) -> torch.Tensor:
     """``grad_out @ (weight * weight_scale)`` in float32, the dequantized weight made a block
     of rows at a time (16 MB of float32): never a full-precision copy of the weight."""
     grad_out = grad_out.float()
     out_features, in_features = weight.shape
     rows = max(1, (1 << 22) // max(1, in_features))
+    if blocked:  # whole blocks of 128 rows, so that each chunk's scales are whole rows of the grid
+        rows = max(BLOCK, rows // BLOCK * BLOCK)
     grad = grad_out.new_zeros(grad_out.shape[0], in_features)
     for start in range(0, out_features, rows):
         block = weight[start:start + rows].float()  # exact: every fp8 value is a float32
-        block = block * (weight_scale[start:start + rows] if weight_scale.dim() else weight_scale)
-        grad.addmm_(grad_out[:, start:start + rows], block)
+        if blocked:
+            grid = weight_scale[start // BLOCK:(start + rows) // BLOCK + 1]
+            scale = grid.repeat_interleave(BLOCK, 0)[:block.shape[0]].repeat_interleave(BLOCK, 1)[:, :in_features]
+        else:
+            scale = weight_scale[start:start + rows] if weight_scale.dim() else weight_scale
+        grad.addmm_(grad_out[:, start:start + rows], block * scale)
     return grad
 
 
@@ -113,6 +137,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, weight_scale, bias, activation_scale, config, out_dtype):
         ctx.save_for_backward(weight, weight_scale)
+        ctx.blocked = config.weight_granularity == "block"
         ctx.input_dtype = x2d.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return _product(x2d, weight, weight_scale, bias, activation_scale, config, out_dtype)
@@ -122,7 +147,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         weight, weight_scale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _input_gradient(grad_out, weight, weight_scale).to(ctx.input_dtype)
+            grad_x = _input_gradient(grad_out, weight, weight_scale, ctx.blocked).to(ctx.input_dtype)
         if ctx.needs_input_grad[3]:
             grad_bias = grad_out.float().sum(0).to(ctx.bias_dtype)
         return grad_x, None, None, grad_bias, None, None, None
@@ -143,8 +168,8 @@ class FP8Linear(nn.Module):
     made from an existing layer with :meth:`from_linear`. The output has the
     input's dtype (float32, bfloat16 or float16); the bias keeps its precision.
 
-    State: ``weight`` (fp8 ``[N, K]``), ``weight_scale`` (float32 ``()`` or
-    ``[N, 1]``), ``bias`` (optional) and, for static activations,
+    State: ``weight`` (fp8 ``[N, K]``), ``weight_scale`` (float32 ``()``, ``[N, 1]``
+    or ``[ceil(N / 128), ceil(K / 128)]``), ``bias`` (optional) and, for static activations,
     ``input_scale`` (float32 ``()``, set by calibration or loading).
     """
 
@@ -157,7 +182,7 @@ class FP8Linear(nn.Module):
         factory = {"device": device}
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=self.config.fp8_dtype, **factory),
                                    requires_grad=False)
-        scale_shape = (out_features, 1) if self.config.weight_granularity == "channel" else ()
+        scale_shape = weight_scale_shape(self.config.weight_granularity, out_features, in_features)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, **factory))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.float32, **factory),
@@ -187,8 +212,7 @@ class FP8Linear(nn.Module):
         if weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not materialized): load the weights first")
         config = _resolve_config(config, options)
-        granularity = "row" if config.weight_granularity == "channel" else "tensor"
-        q, scale = ops.quantize_fp8(weight, dtype=config.fp8_dtype, granularity=granularity)
+        q, scale = ops.quantize_fp8(weight, dtype=config.fp8_dtype, granularity=_WEIGHT_OP_GRANULARITY[config.weight_granularity])
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         return cls.from_fp8(q, scale, bias=bias, config=config)
 
@@ -201,8 +225,8 @@ class FP8Linear(nn.Module):
         This is how checkpoints are loaded: building the layer from a full-precision
         weight and quantizing it again would need the memory of a bf16 model and
         would not reproduce the stored fp8 bytes. ``weight`` is fp8 ``[N, K]`` of
-        ``config.fp8_dtype``; ``weight_scale`` float32 ``()`` (per-tensor) or
-        ``[N, 1]`` (per-channel); ``bias`` ``[N]``; ``input_scale`` float32 ``()`` for
+        ``config.fp8_dtype``; ``weight_scale`` float32 ``()`` (per-tensor),
+        ``[N, 1]`` (per-channel) or ``[ceil(N / 128), ceil(K / 128)]`` (per-block); ``bias`` ``[N]``; ``input_scale`` float32 ``()`` for
         static activations (without it the layer waits for calibration, as from_linear's
         does), refused otherwise. All on one device.
         """
@@ -211,7 +235,7 @@ class FP8Linear(nn.Module):
             raise ValueError(f"weight must be a 2-D {layer_config.fp8_dtype} tensor [N, K], "
                              f"got {weight.dim()}-D {weight.dtype}")
         out_features, in_features = weight.shape
-        scale_shape = (out_features, 1) if layer_config.weight_granularity == "channel" else ()
+        scale_shape = weight_scale_shape(layer_config.weight_granularity, out_features, in_features)
         if tuple(weight_scale.shape) != scale_shape:
             raise ValueError(f"weight_scale for per-{layer_config.weight_granularity} weights must have shape "
                              f"{list(scale_shape)}, got {list(weight_scale.shape)}")

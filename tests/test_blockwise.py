@@ -238,3 +238,81 @@ def test_meta_and_compile_see_the_block_shapes():
     x = torch.randn(5, 300)
     assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x), f(x))
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------
+# FP8Linear with block-wise weights
+
+
+BLOCK_CONFIGS = [dict(weight_granularity="block", activation_granularity="group"),
+                 dict(weight_granularity="block", activations="none"),
+                 dict(weight_granularity="block", activation_granularity="token")]
+
+
+def dequantized_block_weight(layer):
+    n, k = layer.weight.shape
+    scale = reference.expand_block_scales(layer.weight_scale, n, k, 128, 128)
+    return layer.weight.double() * scale.double()
+
+
+@pytest.mark.parametrize("options", BLOCK_CONFIGS)
+@pytest.mark.parametrize("shape", [(300, 260), (100, 64), (576, 1536)])  # (in, out): partial, one, 4.5 x 12 blocks
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_block_layer_matches_its_dequantized_weights(options, shape, dtype):
+    in_features, out_features = shape
+    linear = torch.nn.Linear(in_features, out_features).to(dtype)
+    layer = fp8linear.FP8Linear.from_linear(linear, **options)
+    assert layer.weight.shape == (out_features, in_features) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_scale.shape == (-(-out_features // 128), -(-in_features // 128))
+    x = torch.randn(3, 5, in_features, dtype=dtype)
+    out = layer(x)
+    assert out.shape == (3, 5, out_features) and out.dtype == dtype
+    # against the exact product of the layer's own quantized operands
+    x2d = x.reshape(-1, in_features)
+    if options.get("activations") == "none":
+        a, scale_a = x2d, torch.ones(())
+    else:
+        granularity = {"group": "group", "token": "row"}[options["activation_granularity"]]
+        a, scale_a = reference.quantize_fp8(x2d, granularity=granularity)
+    exact = reference.scaled_mm_float64(a, layer.weight.t(), scale_a, layer.weight_scale.t(), bias=layer.bias)
+    assert relative_error(out.reshape(-1, out_features), exact) <= TOLERANCE[dtype]
+    # and close to the original layer
+    assert relative_error(out.float(), linear(x).double()) <= 0.08
+
+
+def test_block_layer_state_dict_and_from_fp8():
+    linear = torch.nn.Linear(300, 260)
+    layer = fp8linear.FP8Linear.from_linear(linear, weight_granularity="block", activation_granularity="group")
+    twin = fp8linear.FP8Linear(300, 260, weight_granularity="block", activation_granularity="group")
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 300)
+    assert torch.equal(twin(x), layer(x))
+    rebuilt = fp8linear.FP8Linear.from_fp8(layer.weight, layer.weight_scale, bias=layer.bias,
+                                           weight_granularity="block", activation_granularity="group")
+    assert rebuilt.weight.data_ptr() == layer.weight.data_ptr()  # no copy
+    with pytest.raises(ValueError, match="must have shape \\[3, 3\\]"):
+        fp8linear.FP8Linear.from_fp8(layer.weight, torch.ones(260, 1), weight_granularity="block")
+    report = fp8linear.memory_report(torch.nn.Sequential(layer))
+    assert report.converted_bytes == 300 * 260 + 9 * 4 + 260 * 4  # fp8 weight, 3 x 3 scales, float32 bias
+
+
+@pytest.mark.parametrize("in_features", [100, 300])  # one k block (scale grid [N/128, 1]) and three
+def test_block_layer_input_gradient(in_features):
+    layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(in_features, 260), weight_granularity="block",
+                                            activation_granularity="group")
+    x = torch.randn(6, in_features, requires_grad=True)
+    grad_out = torch.randn(6, 260)
+    layer(x).backward(grad_out)
+    expected = grad_out.double() @ dequantized_block_weight(layer)
+    assert relative_error(x.grad, expected) <= 1e-5
+
+
+def test_block_layer_compiles_and_runs_on_meta():
+    layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 260), weight_granularity="block",
+                                            activation_granularity="group")
+    torch._dynamo.reset()
+    x = torch.randn(2, 7, 300)
+    assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x))
+    torch._dynamo.reset()
+    meta = torch.nn.Sequential(layer).to("meta")
+    assert meta(torch.randn(2, 300, device="meta")).shape == (2, 260)
