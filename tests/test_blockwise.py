@@ -12,7 +12,9 @@ from fp8linear import reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # partial edge blocks, one block, exactly two, and M from decode to GEMM sizes
-SHAPES = [(1, 300, 260), (2, 128, 129), (5, 129, 128), (9, 513, 70), (16, 256, 17), (33, 1, 200), (70, 700, 300)]
+# (on AMX: the dot kernel to M = 4, the stream kernel with 1-4 groups of 16 rows, the panel kernel)
+SHAPES = [(1, 300, 260), (2, 128, 129), (5, 129, 128), (9, 513, 70), (16, 256, 17), (24, 300, 140), (33, 1, 200),
+          (64, 260, 130), (70, 700, 300), (600, 300, 200)]
 
 
 def values(shape, dtype=torch.float32):
@@ -131,10 +133,11 @@ def test_group_activations_times_block_weights(m, k, n, out_dtype, cpu_variant):
     assert relative_error(out, mirrored.double()) <= TOLERANCE[out_dtype]
 
 
-def test_block_sums_are_not_one_sum_times_one_scale():
+@pytest.mark.parametrize("m", [3, 20, 100])
+def test_block_sums_are_not_one_sum_times_one_scale(m, cpu_variant):
     # block scales that differ by 2^20 between the two k blocks: a kernel that summed all
     # of K and applied one scale would be off by orders of magnitude
-    a, w, scale_a, scale_w = blockwise_operands(3, 256, 130)
+    a, w, scale_a, scale_w = blockwise_operands(m, 256, 130)
     scale_w = scale_w.clone()
     scale_w[:, 1] *= 2.0**20
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
@@ -165,8 +168,9 @@ def test_weight_only_with_block_weights(m, dtype, cpu_variant):
 
 @pytest.mark.parametrize("a_scale_kind, b_scale_kind", [("group", "tensor"), ("group", "column"),
                                                         ("tensor", "block"), ("row", "block")])
-def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind, b_scale_kind, cpu_variant):
-    m, k, n = 5, 300, 140
+@pytest.mark.parametrize("m", [5, 100])
+def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind, b_scale_kind, m, cpu_variant):
+    k, n = 300, 140
     x, weight = values((m, k)), torch.randn(n, k)
     granularity = {"group": "group", "tensor": "tensor", "row": "row"}[a_scale_kind]
     a, scale_a = fp8linear.quantize_fp8(x, granularity=granularity)

@@ -47,6 +47,38 @@ enum {
   AMX_COL_BLOCK = 512               /* weight rows whose panels share a K block of activations */
 };
 
+/* ---- block-wise scales ------------------------------------------------------- */
+
+/* K-blocked calls (fp8_k_blocked) sum each block of 128 k in C tiles of its own; this
+ * adds one such tile (`tile`: 16 weight rows from n0, a multiple of 16, x 16 activation
+ * rows from m0, stored [weight row][activation row]) into the running sums `sums` (same
+ * layout) with the block's scales: sums[j][i] (+)= scale_b(kb, n0 + j) * scale_a(m0 + i, kb)
+ * * tile[j][i]. The 16 weight rows share one block of 128, so scale_b is one number;
+ * scale_a varies along the tile's row. Rows past M get scale 0 (they are padding). */
+BF16_TARGET ALWAYS_INLINE void add_scaled_block(const fp8_scaled_mm_params* p, const float* tile, float* sums,
+                                                int64_t n0, int64_t m0, int64_t kb, int first) {
+  float scale_a[16] __attribute__((aligned(64)));
+  for (int i = 0; i < 16; ++i) {
+    const int64_t m = m0 + i;
+    scale_a[i] = m >= p->m ? 0.0f
+                 : p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb]
+                                      : p->scale_a[p->scale_a_per_row ? m : 0];
+  }
+  const float scale_b = p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n0 / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
+                                           : p->scale_b[p->scale_b_per_col ? (n0 < p->n ? n0 : 0) : 0];
+  const __m512 scale = _mm512_mul_ps(_mm512_load_ps(scale_a), _mm512_set1_ps(scale_b));
+  for (int j = 0; j < 16; ++j) {
+    /* a per-column scale_b (the other scale blocked) differs per weight row */
+    const __m512 row_scale = p->scale_b_per_col && !p->scale_b_blocked
+                                 ? _mm512_mul_ps(_mm512_load_ps(scale_a),
+                                                 _mm512_set1_ps(p->scale_b[n0 + j < p->n ? n0 + j : 0]))
+                                 : scale;
+    const __m512 value = _mm512_load_ps(tile + j * 16);
+    _mm512_store_ps(sums + j * 16, first ? _mm512_mul_ps(value, row_scale)
+                                         : _mm512_fmadd_ps(value, row_scale, _mm512_load_ps(sums + j * 16)));
+  }
+}
+
 /* ---- weight panels ----------------------------------------------------------- */
 
 /* A panel is weight rows [n0, n0 + cols) at k [k0, k0 + k_block), widened into A
@@ -136,14 +168,18 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
 BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
                                           const uint32_t* b1, int64_t steps, float* sums, int64_t col_group, int first,
                                           panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
-                                          const int both_cols, const int both_rows, const int emulated,
-                                          amx_model* model) {
+                                          const fp8_scaled_mm_params* p, int64_t n_first, int64_t m_first, int64_t kb,
+                                          float* block_tiles, const int both_cols, const int both_rows,
+                                          const int emulated, amx_model* model) {
   const int64_t sums_stride = AMX_ROWS * (int64_t)sizeof(float);
   float* s00 = sums;                          /* weight rows g*16.., activation rows r*16.. */
   float* s01 = sums + AMX_ROWS * AMX_ROWS;    /* activation rows (r + 1)*16.. */
   float* s10 = sums + col_group;              /* weight rows (g + 1)*16.. */
   float* s11 = s10 + AMX_ROWS * AMX_ROWS;
-  if (first) {
+  /* K-blocked scales: this panel is one block of 128 k, summed from zero in the C tiles
+   * and added into the sums with its scales (add_scaled_block) */
+  const int blocked = fp8_k_blocked(p);
+  if (first || blocked) {
     TILE_ZERO(0);
     if (both_rows) TILE_ZERO(1);
     if (both_cols) TILE_ZERO(2);
@@ -168,6 +204,24 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
       if (both_rows) TILE_DPBF16PS(3, 5, 7);
     }
     widen_units(next, t, widen_per_step);
+  }
+  if (blocked) {
+    const int64_t tile_floats = AMX_ROWS * AMX_ROWS;
+    TILE_STORE(0, block_tiles, sums_stride);
+    add_scaled_block(p, block_tiles, s00, n_first, m_first, kb, first);
+    if (both_rows) {
+      TILE_STORE(1, block_tiles + tile_floats, sums_stride);
+      add_scaled_block(p, block_tiles + tile_floats, s01, n_first, m_first + AMX_ROWS, kb, first);
+    }
+    if (both_cols) {
+      TILE_STORE(2, block_tiles + 2 * tile_floats, sums_stride);
+      add_scaled_block(p, block_tiles + 2 * tile_floats, s10, n_first + AMX_ROWS, m_first, kb, first);
+    }
+    if (both_cols && both_rows) {
+      TILE_STORE(3, block_tiles + 3 * tile_floats, sums_stride);
+      add_scaled_block(p, block_tiles + 3 * tile_floats, s11, n_first + AMX_ROWS, m_first + AMX_ROWS, kb, first);
+    }
+    return;
   }
   TILE_STORE(0, s00, sums_stride);
   if (both_rows) TILE_STORE(1, s01, sums_stride);
@@ -194,13 +248,13 @@ typedef struct {
   int64_t block_n0; /* its block's first weight row */
 } panel_position;
 
-static panel_position next_panel(panel_position at, int64_t n_end, int64_t kp) {
+static panel_position next_panel(panel_position at, int64_t n_end, int64_t kp, int64_t k_block) {
   const int64_t block_end = at.block_n0 + AMX_COL_BLOCK < n_end ? at.block_n0 + AMX_COL_BLOCK : n_end;
   if (at.n0 + AMX_PANEL_COLS < block_end) {
     at.n0 += AMX_PANEL_COLS;
-  } else if (at.k0 + AMX_K_BLOCK < kp) {
+  } else if (at.k0 + k_block < kp) {
     at.n0 = at.block_n0;
-    at.k0 += AMX_K_BLOCK;
+    at.k0 += k_block;
   } else {
     at.block_n0 = at.n0 = block_end;
     at.k0 = 0;
@@ -212,10 +266,12 @@ static panel_position next_panel(panel_position at, int64_t n_end, int64_t kp) {
  * n_end): each panel widened while the previous one is used. */
 BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                         const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                        int64_t n_end, uint16_t* panels[2], float* sums, const int emulated,
-                                        amx_model* model) {
+                                        int64_t n_end, uint16_t* panels[2], float* sums, float* block_tiles,
+                                        const int emulated, amx_model* model) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
+  /* K-blocked scales: panels of one block of 128 k each, so that each is summed alone */
+  const int64_t k_block = fp8_k_blocked(p) ? FP8_SCALE_BLOCK : AMX_K_BLOCK;
   const int64_t group_stride = (kp / 2) * AMX_ROWS; /* uint32 between packed groups of 16 rows */
   const int64_t rows = (m_end - m_begin + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
   const int64_t row_pairs = (rows + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
@@ -223,7 +279,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
    * (with a stride of `rows` floats the 16 rows of a tile fell into a few L1 sets) */
   const fp8_sums_layout layout = {AMX_ROWS, rows * AMX_ROWS, AMX_ROWS * AMX_ROWS};
 #define PANEL_COLS_AT(n0) (n_end - (n0) < AMX_PANEL_COLS ? n_end - (n0) : AMX_PANEL_COLS)
-#define K_BLOCK_AT(k0) (kp - (k0) < AMX_K_BLOCK ? kp - (k0) : AMX_K_BLOCK) /* a multiple of 64 */
+#define K_BLOCK_AT(k0) (kp - (k0) < k_block ? kp - (k0) : k_block) /* a multiple of 64 */
   panel_position at = {n_begin, 0, n_begin};
   panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0]);
   widen_units(&next, &t, next.left);
@@ -233,7 +289,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
     const int64_t steps = K_BLOCK_AT(k0) / AMX_K;
     const uint16_t* panel = panels[current];
     float* panel_sums = sums + (n0 - at.block_n0) / AMX_ROWS * layout.col_group;
-    at = next_panel(at, n_end, kp);
+    at = next_panel(at, n_end, kp, k_block);
     if (at.n0 < n_end) {
       next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), at.k0, K_BLOCK_AT(at.k0), panels[current ^ 1]);
     } else {
@@ -249,11 +305,12 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
         const uint16_t* panel_g = panel + g * steps * AMX_TILE_BF16;
         TILE_BLOCK_CASES(panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
                          panel_sums + g * layout.col_group + (r0 / AMX_ROWS) * layout.row_group, layout.col_group,
-                         k0 == 0, &next, &t, widen_per_step)
+                         k0 == 0, &next, &t, widen_per_step, p, n0 + g * AMX_ROWS, m_begin + r0,
+                         k0 / FP8_SCALE_BLOCK, block_tiles)
       }
     }
     widen_units(&next, &t, next.left); /* whatever the steps left */
-    if (k0 + AMX_K_BLOCK >= kp) fp8_bf16_tile_epilogue(p, panel_sums, layout, m_begin, m_end, n0, cols);
+    if (k0 + k_block >= kp) fp8_bf16_tile_epilogue(p, panel_sums, layout, m_begin, m_end, n0, cols);
   }
 #undef PANEL_COLS_AT
 #undef K_BLOCK_AT
@@ -341,6 +398,11 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
   uint16_t* buffers[AMX_STREAM_BUFFERS];
   for (int i = 0; i < AMX_STREAM_BUFFERS; ++i) buffers[i] = (uint16_t*)placed + 2 * AMX_TILE_BF16 * i;
   float* sums = (float*)(placed + AMX_STREAM_BUFFERS * 2 * AMX_TILE_BF16 * sizeof(uint16_t)); /* 4 C tiles */
+  const int64_t tile_floats = AMX_ROWS * AMX_ROWS;
+  /* K-blocked scales: the C tiles hold one block of 128 k at a time; each block, summed
+   * per group as at the end below, joins these running sums with its scales */
+  const int blocked = fp8_k_blocked(p);
+  float* totals = sums + 4 * tile_floats;
 #define STREAM_COLS_AT(n0) (n_end - (n0) < AMX_STREAM_ROWS ? n_end - (n0) : AMX_STREAM_ROWS)
   /* the steps already widened: AMX_STREAM_BUFFERS - 1 of them ahead of the one in use */
   stream_step ahead = {n_begin, 0};
@@ -349,6 +411,23 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
                     p->k, p->k - ahead.k0, buffer)
   for (int i = 0; i < AMX_STREAM_BUFFERS - 1 && ahead.n0 < n_end; ++i, ahead = next_stream_step(ahead, kp))
     WIDEN_AHEAD(buffers[i]);
+  /* the sums, [weight row][activation row] per group; up to 2 groups, each group's two
+   * halves (C0 + C2 and C1 + C3 for two, C0 + C1 for one) are added here */
+#define STORE_GROUP_SUMS()                                                                               \
+  do {                                                                                                   \
+    TILE_STORE(0, sums, 64);                                                                             \
+    TILE_STORE(1, sums + tile_floats, 64);                                                               \
+    if (groups >= 2) TILE_STORE(2, sums + 2 * tile_floats, 64);                                          \
+    if (groups >= 2) TILE_STORE(3, sums + 3 * tile_floats, 64);                                          \
+    if (groups <= 2) {                                                                                   \
+      for (int64_t group = 0; group < groups; ++group) {                                                 \
+        float* low = sums + (groups == 2 ? group : 0) * tile_floats;                                     \
+        const float* high = low + (groups == 2 ? 2 : 1) * tile_floats;                                   \
+        for (int64_t i = 0; i < tile_floats; i += 16)                                                    \
+          _mm512_store_ps(low + i, _mm512_add_ps(_mm512_load_ps(low + i), _mm512_load_ps(high + i)));   \
+      }                                                                                                  \
+    }                                                                                                    \
+  } while (0)
   int64_t step = 0;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += AMX_STREAM_ROWS) {
     TILE_ZERO(0);
@@ -402,25 +481,26 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
         WIDEN_AHEAD(buffers[(step + AMX_STREAM_BUFFERS - 1) % AMX_STREAM_BUFFERS]);
         ahead = next_stream_step(ahead, kp);
       }
-    }
-    /* the sums, [weight row][activation row] per group; up to 2 groups, each group's two
-     * halves (C0 + C2 and C1 + C3 for two, C0 + C1 for one) are added here */
-    const int64_t tile_floats = AMX_ROWS * AMX_ROWS;
-    TILE_STORE(0, sums, 64);
-    TILE_STORE(1, sums + tile_floats, 64);
-    if (groups >= 2) TILE_STORE(2, sums + 2 * tile_floats, 64);
-    if (groups >= 2) TILE_STORE(3, sums + 3 * tile_floats, 64);
-    if (groups <= 2) {
-      for (int64_t group = 0; group < groups; ++group) {
-        float* low = sums + (groups == 2 ? group : 0) * tile_floats;
-        const float* high = low + (groups == 2 ? 2 : 1) * tile_floats;
-        for (int64_t i = 0; i < tile_floats; i += 16)
-          _mm512_store_ps(low + i, _mm512_add_ps(_mm512_load_ps(low + i), _mm512_load_ps(high + i)));
+      if (blocked && ((k0 + AMX_STREAM_STEP) % FP8_SCALE_BLOCK == 0 || k0 + AMX_STREAM_STEP >= kp)) {
+        STORE_GROUP_SUMS();
+        for (int64_t group = 0; group < groups; ++group)
+          add_scaled_block(p, sums + group * tile_floats, totals + group * tile_floats, n0, m_begin + group * AMX_ROWS,
+                           k0 / FP8_SCALE_BLOCK, k0 < FP8_SCALE_BLOCK);
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        if (groups >= 2) TILE_ZERO(2);
+        if (groups >= 2) TILE_ZERO(3);
       }
     }
     const fp8_sums_layout layout = {AMX_ROWS, 0, tile_floats}; /* group g at tile g */
+    if (blocked) {
+      fp8_bf16_tile_epilogue(p, totals, layout, m_begin, m_end, n0, STREAM_COLS_AT(n0));
+      continue;
+    }
+    STORE_GROUP_SUMS();
     fp8_bf16_tile_epilogue(p, sums, layout, m_begin, m_end, n0, STREAM_COLS_AT(n0));
   }
+#undef STORE_GROUP_SUMS
 #undef STREAM_COLS_AT
 #undef WIDEN_AHEAD
 }
@@ -435,9 +515,13 @@ static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
 }
 
 /* Where the emulated tile registers go: after what the kernel uses (the stream kernel:
- * up to 4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums). 64-byte aligned. */
+ * up to 4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums and 4 KiB of
+ * block-wise totals; the panel kernel: two panels, the sums, and 4 KiB of block tiles).
+ * 64-byte aligned. */
+enum { AMX_BLOCK_TILES_BYTES = 4 * AMX_ROWS * AMX_ROWS * (int)sizeof(float) };
+
 static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
-  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? 3 * 4096 : 2 * AMX_PANEL_BYTES + sums_bytes(plan);
+  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? 4 * 4096 : 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
 }
 
 int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan) {
@@ -456,9 +540,10 @@ BF16_TARGET ALWAYS_INLINE void amx_compute(const fp8_scaled_mm_params* p, const 
   }
   uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)(scratch + AMX_PANEL_BYTES)};
   float* sums = (float*)(scratch + 2 * AMX_PANEL_BYTES);
+  float* block_tiles = (float*)(scratch + 2 * AMX_PANEL_BYTES + sums_bytes(plan));
   for (int64_t m0 = m_begin; m0 < m_end; m0 += AMX_ROW_CHUNK)
     amx_rows(p, plan, packed, m0, m_end - m0 < AMX_ROW_CHUNK ? m_end : m0 + AMX_ROW_CHUNK, n_begin, n_end, panels,
-             sums, emulated, model);
+             sums, block_tiles, emulated, model);
 }
 
 BF16_TARGET static void amx_compute_hardware(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,

@@ -311,7 +311,11 @@ BF16_TARGET void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const flo
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       const __mmask16 mask = cols - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - c0)) - 1u);
       const int64_t n = n0 + c0;
-      const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
+      /* K-blocked calls: the sums come with their scales applied per block of 128 k */
+      const int blocked = fp8_k_blocked(p);
+      const __m512 scale_b = blocked ? _mm512_set1_ps(1.0f)
+                             : p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n)
+                                                  : _mm512_set1_ps(p->scale_b[0]);
       const __m512 bias = load_bias16(p, n, mask);
       __m512 block[16];
       const float* sums_block = sums + (c0 / 16) * layout.col_group + (r0 / 16) * layout.row_group;
@@ -319,7 +323,7 @@ BF16_TARGET void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const flo
       transpose16(block);
       for (int64_t j = 0; j < valid_rows; ++j) {
         const int64_t m = m_begin + r0 + j;
-        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
+        const __m512 scale = blocked ? scale_b : _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
         const __m512 value = _mm512_fmadd_ps(block[j], scale, bias);
         const int64_t offset = m * p->out_row_stride + n;
         switch (p->out_dtype) {
