@@ -104,10 +104,8 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
      * saves (576 x 576, M = 2: 23.6 vs 33.3 us); from M = 2 on large layers the AMX
      * stream kernel reads the weights faster (4096 x 4096 from memory, M = 4: 635 vs
      * 885 us; 2 threads, Emerald Rapids). */
-    /* K-blocked scales: the dot and AMX kernels sum per block of 128 k; the AVX512-BF16
-     * tile and skinny kernels do not yet, so without AMX those calls take the dot kernel */
-    const int dot = amx ? p->m == 1 || (p->m <= 4 && p->m * p->n * p->k <= AMX_DOT_MAX_WORK)
-                        : p->m <= DOT_MAX_ROWS || fp8_k_blocked(p);
+    /* (K-blocked scales: every kernel here sums per block of 128 k) */
+    const int dot = amx ? p->m == 1 || (p->m <= 4 && p->m * p->n * p->k <= AMX_DOT_MAX_WORK) : p->m <= DOT_MAX_ROWS;
     if (dot) {
       plan.method = FP8_MM_BF16_DOT;
       plan.tile_m = p->m;

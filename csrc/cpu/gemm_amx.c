@@ -271,7 +271,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   /* K-blocked scales: panels of one block of 128 k each, so that each is summed alone */
-  const int64_t k_block = fp8_k_blocked(p) ? FP8_SCALE_BLOCK : AMX_K_BLOCK;
+  const int64_t k_block = fp8_k_blocked(p) ? (int64_t)FP8_SCALE_BLOCK : (int64_t)AMX_K_BLOCK;
   const int64_t group_stride = (kp / 2) * AMX_ROWS; /* uint32 between packed groups of 16 rows */
   const int64_t rows = (m_end - m_begin + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
   const int64_t row_pairs = (rows + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);

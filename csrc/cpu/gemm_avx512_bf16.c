@@ -81,6 +81,25 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
+/* K-blocked calls: scale_a(m, kb) of 16 activation rows from m0 (0 past M: padding rows). */
+BF16_TARGET ALWAYS_INLINE __m512 block_scale_a16(const fp8_scaled_mm_params* p, int64_t m0, int64_t kb) {
+  float values[16] __attribute__((aligned(64)));
+  for (int i = 0; i < 16; ++i) {
+    const int64_t m = m0 + i;
+    values[i] = m >= p->m ? 0.0f
+                : p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb]
+                                     : p->scale_a[p->scale_a_per_row ? m : 0];
+  }
+  return _mm512_load_ps(values);
+}
+
+/* K-blocked calls: scale_b(kb, n) (n past N: any valid one; its outputs are not stored). */
+ALWAYS_INLINE float block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
+  if (n >= p->n) n = p->n - 1;
+  return p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
+                            : p->scale_b[p->scale_b_per_col ? n : 0];
+}
+
 /* ---- dot kernel (small M) -------------------------------------------------- */
 
 /* ROWS activation rows x COLS weight rows, over all of K: ROWS * COLS float32
@@ -247,11 +266,15 @@ BF16_TARGET static void pack_activation_group(const fp8_scaled_mm_params* p, con
  * VECTORS * TILE_COLS dot products (24 with 3 vectors: 11 loads per 24). */
 BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t group_stride, const uint32_t* panel,
                                           int64_t panel_stride, int64_t pairs, float* sums, int64_t sums_stride,
-                                          int first, const int VECTORS, const int COLS) {
+                                          int first, const fp8_scaled_mm_params* p, int64_t m_first, int64_t n_first,
+                                          int64_t kb, const int VECTORS, const int COLS) {
+  /* K-blocked calls: the panel is one block of 128 k, summed from zero and added into
+   * the sums with its scales */
+  const int blocked = fp8_k_blocked(p);
   __m512 acc[TILE_VECTORS][16];
   for (int v = 0; v < VECTORS; ++v)
     for (int j = 0; j < COLS; ++j)
-      acc[v][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + j * sums_stride + v * TILE_LANES);
+      acc[v][j] = first || blocked ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + j * sums_stride + v * TILE_LANES);
   for (int64_t pair = 0; pair < pairs; ++pair) {
     __m512bh a[TILE_VECTORS];
     for (int v = 0; v < VECTORS; ++v)
@@ -260,6 +283,17 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
       const __m512bh b = (__m512bh)_mm512_set1_epi32((int)panel[j * panel_stride + pair]);
       for (int v = 0; v < VECTORS; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], a[v], b);
     }
+  }
+  if (blocked) {
+    for (int v = 0; v < VECTORS; ++v) {
+      const __m512 scale_a = block_scale_a16(p, m_first + v * TILE_LANES, kb);
+      for (int j = 0; j < COLS; ++j) {
+        const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n_first + j, kb)));
+        float* at = sums + j * sums_stride + v * TILE_LANES;
+        _mm512_storeu_ps(at, first ? _mm512_mul_ps(acc[v][j], scale) : _mm512_fmadd_ps(acc[v][j], scale, _mm512_loadu_ps(at)));
+      }
+    }
+    return;
   }
   for (int v = 0; v < VECTORS; ++v)
     for (int j = 0; j < COLS; ++j) _mm512_storeu_ps(sums + j * sums_stride + v * TILE_LANES, acc[v][j]);
@@ -350,10 +384,12 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
   const int64_t rows = ((m_end - m_begin + TILE_LANES - 1) / TILE_LANES) * TILE_LANES;
   uint16_t* panel = (uint16_t*)scratch;
   float* sums = (float*)(scratch + TILE_PANEL_BYTES);
+  /* K-blocked scales: panels of one block of 128 k each, so that each is summed alone */
+  const int64_t panel_k = fp8_k_blocked(p) ? (int64_t)FP8_SCALE_BLOCK : (int64_t)TILE_K_BLOCK;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_PANEL_COLS) {
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
-    for (int64_t k0 = 0; k0 < kp; k0 += TILE_K_BLOCK) {
-      const int64_t k_block = kp - k0 < TILE_K_BLOCK ? kp - k0 : TILE_K_BLOCK;
+    for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
+      const int64_t k_block = kp - k0 < panel_k ? kp - k0 : panel_k;
       widen_weight_panel(p, &t, n0, cols, k0, k_block, panel);
       for (int64_t r0 = 0; r0 < rows;) {
         const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
@@ -366,17 +402,22 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
           const uint32_t* panel_cols = (const uint32_t*)(panel + c0 * k_block);
           float* tile_sums = sums + c0 * rows + r0;
           const int first = k0 == 0;
+          const int64_t m_first = m_begin + r0, n_first = n0 + c0, kb = k0 / FP8_SCALE_BLOCK;
           /* 16 columns per tile: as 2 x 8 for 3 vectors (24 accumulators), at once for 1 */
           switch (vectors) {
             case 3:
-              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 3, 8);
-              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first, 3, 8);
+              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 3, 8);
+              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first,
+                         p, m_first, n_first + 8, kb, 3, 8);
               break;
             case 2:
-              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 2, 8);
-              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first, 2, 8);
+              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 2, 8);
+              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first,
+                         p, m_first, n_first + 8, kb, 2, 8);
               break;
-            default: tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, 1, 16); break;
+            default:
+              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 1, 16);
+              break;
           }
         }
         r0 += vectors * TILE_LANES;
@@ -441,6 +482,9 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
       skinny_widen_row(&t, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
     __m512 acc[SKINNY_COLS];
     for (int j = 0; j < SKINNY_COLS; ++j) acc[j] = _mm512_setzero_ps();
+    /* K-blocked scales: at the end of each block of 128 k its sums, scaled, join the
+     * totals kept in `sums` (in memory: 16 more registers would spill) */
+    const int blocked = fp8_k_blocked(p);
     for (int64_t k0 = 0; k0 < kp; k0 += SKINNY_STEP) {
       const int step = (int)((k0 / SKINNY_STEP) & 1);
       const uint32_t* panel = (const uint32_t*)panels[step];
@@ -456,8 +500,19 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
             acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_set1_epi32((int)panel[j * (SKINNY_STEP / 2) + pair]));
         }
       }
+      if (blocked && ((k0 + SKINNY_STEP) % FP8_SCALE_BLOCK == 0 || k0 + SKINNY_STEP >= kp)) {
+        const int64_t kb = k0 / FP8_SCALE_BLOCK;
+        const __m512 scale_a = block_scale_a16(p, m_begin, kb);
+        for (int j = 0; j < SKINNY_COLS; ++j) {
+          const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n0 + j, kb)));
+          float* at = sums + j * TILE_LANES;
+          _mm512_store_ps(at, k0 < FP8_SCALE_BLOCK ? _mm512_mul_ps(acc[j], scale) : _mm512_fmadd_ps(acc[j], scale, _mm512_load_ps(at)));
+          acc[j] = _mm512_setzero_ps();
+        }
+      }
     }
-    for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
+    if (!blocked)
+      for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
     fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m_begin, m_end, n0, cols);
   }
 }
