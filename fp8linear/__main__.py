@@ -23,16 +23,30 @@ def _quantize(args: argparse.Namespace) -> int:
     try:
         text = None
         if args.calibration_text is not None:
-            text = pathlib.Path(args.calibration_text).read_text(encoding="utf-8")
+            try:
+                text = pathlib.Path(args.calibration_text).read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--calibration-text {args.calibration_text} is not UTF-8 text ({error})") from None
         result = quantize_checkpoint(args.model_dir, args.out_dir, scheme=args.scheme, skip_modules=args.skip,
                                      calibration_text=text, calibration_samples=args.calibration_samples,
                                      sequence_length=args.sequence_length,
                                      progress=False if args.no_progress else None)
-    except (ValueError, OSError) as error:  # a wrong directory or option: the message says which
+    except (ValueError, OSError) as error:  # bad input (a directory, file or option): the message names it
+        # anything else is a bug and keeps its traceback
         print(f"python -m fp8linear quantize: error: {error}", file=sys.stderr)
         return 2
     print(result)
     return 0
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 def _add_quantize_command(commands) -> None:
@@ -42,17 +56,21 @@ def _add_quantize_command(commands) -> None:
         "quantize", help="convert a transformers safetensors checkpoint to an FP8 checkpoint, one shard at a time",
         description="Write an FP8 (compressed-tensors) checkpoint that vLLM, transformers and "
                     "fp8linear.load_quantized load. Shards are converted one at a time, so memory "
-                    "stays near the largest shard.")
+                    "stays near the largest shard. Every input is checked first, and the output is "
+                    "written beside OUT_DIR and renamed at the end: a failure leaves OUT_DIR as it was.")
     quantize.add_argument("model_dir", help="a transformers model directory (config.json + safetensors)")
-    quantize.add_argument("out_dir", help="where to write the FP8 checkpoint")
+    quantize.add_argument("out_dir", help="where to write the FP8 checkpoint: a new or empty directory, or an "
+                                          "earlier FP8 checkpoint, which is replaced as a whole")
     quantize.add_argument("--scheme", choices=list(SCHEMES), default="per-channel",
                           help="per-tensor: one scale per weight and per activation tensor; per-channel (default): "
                                "per-channel weights, per-token activations; static: per-tensor scales with "
                                "activation scales calibrated on --calibration-text; weight-only: fp8 weights only")
     quantize.add_argument("--calibration-text", metavar="FILE", default=None,
                           help="a UTF-8 text file to calibrate the static scheme's activation scales on")
-    quantize.add_argument("--calibration-samples", type=int, default=16, help="sequences of the text to use (16)")
-    quantize.add_argument("--sequence-length", type=int, default=512, help="tokens per calibration sequence (512)")
+    quantize.add_argument("--calibration-samples", type=_at_least_one, default=16,
+                          help="sequences of the text to use (16)")
+    quantize.add_argument("--sequence-length", type=_at_least_one, default=512,
+                          help="tokens per calibration sequence (512; at most the model's max_position_embeddings)")
     quantize.add_argument("--skip", nargs="*", default=["lm_head"], metavar="NAME",
                           help="linear layers to keep in full precision (default: lm_head)")
     quantize.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -5,7 +5,8 @@ every static layer. While calibrating, a static layer quantizes each input with 
 input's own per-tensor scale (dynamic per-tensor, as AutoFP8 calibrates), so the
 activations downstream are those the quantized model will see; the hook records the
 running amax. At the end each layer gets ``input_scale = max(amax / FMAX, 1 / (FMAX * 512))``
-(the dynamic-scale rule of DESIGN.md, in float64). If anything fails part way, every
+(the dynamic-scale rule of docs/design.md, in float64); a layer whose amax stayed 0 (no finite
+nonzero input) gets no scale and is reported. If anything fails part way, every
 layer gets back the state it had: scales are only set once all batches have run.
 """
 from __future__ import annotations
@@ -30,19 +31,24 @@ logger = logging.getLogger("fp8linear")
 class CalibrationReport:
     """What calibrate did: the scale set per layer, from the amax seen over ``batches`` batches.
 
-    uncalibrated: static layers no batch reached (left as they were; their forward
-    raises until they get a scale).
+    uncalibrated: static layers no batch reached.
+    no_signal: static layers whose inputs held no finite nonzero value (all zeros, NaN or
+    inf): they give no range, and the floor scale would be a guess.
+    Both are left as they were (an uncalibrated layer's forward raises until it gets a scale).
     """
 
     input_scales: dict[str, float] = dataclasses.field(default_factory=dict)
     amax: dict[str, float] = dataclasses.field(default_factory=dict)
     uncalibrated: list[str] = dataclasses.field(default_factory=list)
+    no_signal: list[str] = dataclasses.field(default_factory=list)
     batches: int = 0
 
     def __str__(self) -> str:
         text = f"fp8linear: calibrated {len(self.input_scales)} static layer(s) over {self.batches} batch(es)"
         if self.uncalibrated:
             text += f"; no input reached {len(self.uncalibrated)}: {', '.join(self.uncalibrated)}"
+        if self.no_signal:
+            text += f"; no finite nonzero input reached {len(self.no_signal)}: {', '.join(self.no_signal)}"
         return text
 
 
@@ -69,8 +75,9 @@ def calibrate(model: nn.Module, batches: Iterable, *, progress: bool | None = No
     output), ``model(*batch)`` (a tuple or list) or ``model(batch)``, under
     ``torch.no_grad()``. Convert first with ``quantize_model(model, "fp8",
     activations="static")``; calibrating again replaces the scales. Returns a
-    CalibrationReport (also logged); layers that no batch reached are reported and left
-    unset. If a batch fails, the exception propagates and the model is as it was.
+    CalibrationReport (also logged); layers that no batch reached, and layers whose inputs
+    held no finite nonzero value, are reported (with a warning) and left as they were. If
+    a batch fails, the exception propagates and the model is as it was.
     """
     layers = {name: module for name, module in model.named_modules()
               if isinstance(module, FP8Linear) and module.config.activations == "static"}
@@ -113,6 +120,9 @@ def calibrate(model: nn.Module, batches: Iterable, *, progress: bool | None = No
         if name not in scales:
             report.uncalibrated.append(name)
             continue
+        if not bool(running[name] > 0):
+            report.no_signal.append(name)
+            continue
         layer.set_input_scale(scales[name])
         report.input_scales[name] = float(scales[name])
         report.amax[name] = float(running[name])
@@ -120,12 +130,21 @@ def calibrate(model: nn.Module, batches: Iterable, *, progress: bool | None = No
     if report.uncalibrated:
         logger.warning("fp8linear: static layers without calibration data (no batch reached them): %s",
                        ", ".join(report.uncalibrated))
+    if report.no_signal:
+        logger.warning("fp8linear: static layers left without a scale: their inputs saw no finite nonzero value: %s",
+                       ", ".join(report.no_signal))
     return report
 
 
-def text_batches(tokenizer, text: str, *, sequence_length: int = 512, count: int | None = None) -> list[torch.Tensor]:
-    """``text`` tokenized once and cut into ``[1, sequence_length]`` input_ids batches (at
-    most ``count``; the last, shorter piece is dropped unless it is the only one)."""
+def text_batches(tokenizer, text: str, *, sequence_length: int = 512, count: int | None = 16) -> list[torch.Tensor]:
+    """``text`` tokenized once and cut into ``[1, sequence_length]`` input_ids batches
+    (default 512 tokens), at most ``count`` of them (default 16, the command line's
+    --calibration-samples; None: every piece); the last, shorter piece is dropped unless
+    it is the only one."""
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 1:
+        raise ValueError(f"sequence_length must be at least 1, got {sequence_length!r}")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"count must be at least 1 or None, got {count!r}")
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     if ids.numel() == 0:
         raise ValueError("the calibration text is empty after tokenization")

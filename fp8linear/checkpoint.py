@@ -24,14 +24,14 @@ import re
 import struct
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from ._progress import progress_bar
 from .formats import CheckpointScheme, compressed_tensors_config, parse_quantization_config
 from .linear import FP8Config, FP8Linear
-from .ops import dequantize_fp8, quantize_fp8
+from .ops import FLOAT_DTYPES, dequantize_fp8, quantize_fp8
 
 __all__ = ["save_quantized", "load_quantized", "FUSED_MODULES"]
 
@@ -75,19 +75,107 @@ class StoredTensor:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
+def _corrupt(path: pathlib.Path, what: str) -> ValueError:
+    return ValueError(f"{path}: not a valid safetensors file: {what}")
+
+
+def _header_entry(path: pathlib.Path, name: str, entry, data_size: int) -> tuple[StoredTensor, int, int]:
+    """One tensor's entry of a header, checked as safetensors checks it on opening."""
+    if not isinstance(entry, dict):
+        raise _corrupt(path, f"tensor {name}: entry is not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise _corrupt(path, f"tensor {name}: no {key}")
+    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype_name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {dtype_name}, which fp8linear does not read")
+    if not isinstance(shape, list) or not all(type(size) is int and size >= 0 for size in shape):
+        raise _corrupt(path, f"tensor {name}: shape {shape} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise _corrupt(path, f"tensor {name}: data_offsets {offsets} are not [begin, end]")
+    if offsets[1] > data_size:
+        raise _corrupt(path, f"tensor {name}: data_offsets {offsets} reach past the {data_size} bytes of data")
+    tensor = StoredTensor(path, _SAFETENSORS_DTYPES[dtype_name], tuple(shape))
+    if offsets[1] - offsets[0] != tensor.nbytes:
+        raise _corrupt(path, f"tensor {name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                             f"but shape {shape} of {dtype_name} needs {tensor.nbytes}")
+    return tensor, offsets[0], offsets[1]
+
+
 def read_header(path: os.PathLike) -> dict[str, StoredTensor]:
-    """Names, dtypes and shapes of a safetensors file, from its JSON header only."""
+    """Names, dtypes and shapes of a safetensors file, from its JSON header only. A file
+    that safetensors would refuse (truncated, a header that does not describe the data)
+    is refused here, with a ValueError naming the file and the tensor."""
     path = pathlib.Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
+        if length > size - 8:
+            raise _corrupt(path, f"header length {length} is more than the {size - 8} bytes after it")
+        raw = file.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise _corrupt(path, f"header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
     header.pop("__metadata__", None)
-    tensors = {}
+    data_size = size - 8 - length
+    tensors, spans = {}, []
     for name, entry in header.items():
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{path.name}: tensor {name} has dtype {entry['dtype']}, which fp8linear does not read")
-        tensors[name] = StoredTensor(path, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        tensors[name], begin, end = _header_entry(path, name, entry, data_size)
+        spans.append((begin, end, name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise _corrupt(path, f"tensor {name}: data_offsets [{begin}, {stop}] overlap or leave a gap "
+                                 f"after the previous tensor (which ends at {end})")
+        end = stop
+    if end != data_size:
+        raise _corrupt(path, f"{data_size - end} bytes after the last tensor: the header does not describe them")
     return tensors
+
+
+class _CheckedSafetensors:
+    """A safe_open handle whose errors are ValueErrors naming the file and the tensor."""
+
+    def __init__(self, handle, path: pathlib.Path):
+        self._handle, self._path = handle, path
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(name)
+        except SafetensorError as error:
+            raise ValueError(f"{self._path}: tensor {name}: {error}") from error
+
+
+@contextlib.contextmanager
+def open_safetensors(path: os.PathLike, device: str | torch.device = "cpu"):
+    """safe_open(path) for torch tensors on ``device``, with safetensors' errors (a file
+    changed or truncated after its header was read) as ValueErrors naming the file."""
+    path = pathlib.Path(path)
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(device))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a valid safetensors file: {error}") from error
+    with handle:
+        yield _CheckedSafetensors(handle, path)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
 
 
 def checkpoint_files(directory: os.PathLike) -> list[pathlib.Path]:
@@ -95,8 +183,17 @@ def checkpoint_files(directory: os.PathLike) -> list[pathlib.Path]:
     directory = pathlib.Path(directory)
     index = directory / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
+        weight_map = _read_json(index).get("weight_map")
+        if weight_map is None:
+            raise ValueError(f"{index} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            raise ValueError(f"{index} lists {missing[0]}, which is not in {directory}"
+                             + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+        return files
     if (directory / SINGLE_FILE_NAME).is_file():
         return [directory / SINGLE_FILE_NAME]
     files = sorted(directory.glob("*.safetensors"))
@@ -120,7 +217,7 @@ def read_config(directory: os.PathLike) -> dict:
     path = pathlib.Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a checkpoint directory needs a config.json")
-    return json.loads(path.read_text())
+    return _read_json(path)
 
 
 def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -173,17 +270,25 @@ def model_skeleton(config: dict, source: str = CONFIG_NAME) -> nn.Module:
     import transformers
 
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"{source}: architectures must be a list of class names, got {architectures!r}")
     if "model_type" not in config:
         raise ValueError(f"{source} does not describe a transformers model (no model_type): "
                          "pass the model to load into as model=")
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
-    model_config = transformers.AutoConfig.for_model(**plain)
-    model_class = getattr(transformers, architectures[0], None) if architectures else None
-    with parameters_on_meta():
-        if model_class is not None:
-            model = model_class(model_config)
-        else:
-            model = transformers.AutoModelForCausalLM.from_config(model_config)
+    named = architectures[0] if architectures and isinstance(architectures[0], str) else None
+    model_class = getattr(transformers, named, None) if named else None
+    try:
+        model_config = transformers.AutoConfig.for_model(**plain)
+        with parameters_on_meta():
+            if model_class is not None:
+                model = model_class(model_config)
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(model_config)
+    except Exception as error:  # a config with values the model can't take: its error type varies
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"{source}: transformers can't build the model it describes: "
+                         f"{type(error).__name__}: {first_line}") from error
     return model.eval()
 
 
@@ -233,15 +338,38 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[
     return shards
 
 
+def _embeddings_tied(model: nn.Module) -> bool | None:
+    """Whether the model's output embedding holds its input embedding's tensor (None: the
+    model has no such pair, e.g. not a transformers model)."""
+    try:
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if inputs is None or outputs is None:
+        return None
+    return getattr(outputs, "weight", None) is getattr(inputs, "weight", object())
+
+
 def write_model_config(directory: pathlib.Path, model: nn.Module, quantization_config: dict) -> None:
     """config.json (the transformers config if the model has one, with quantization_config)
-    and generation_config.json, so the directory loads as a model."""
+    and generation_config.json, so the directory loads as a model.
+
+    tie_word_embeddings says what the tensors are: a tied lm_head converted by hand is
+    stored on its own, and a reader that tied it back would put the fp8 weight into the
+    embedding (transformers fails: "Promotion for Float8 Types is not supported")."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)
         data = read_config(directory)
     else:
         data = {}
+    tied = _embeddings_tied(model) if data else None
+    if tied is not None and data.get("tie_word_embeddings", tied) != tied:
+        logger.warning("fp8linear: the model's config says tie_word_embeddings=%s, but its input and output "
+                       "embeddings are %s: writing tie_word_embeddings=%s", data["tie_word_embeddings"],
+                       "one tensor" if tied else "separate tensors", tied)
+    if tied is not None:  # absent, transformers reads it as True
+        data["tie_word_embeddings"] = tied
     data["quantization_config"] = quantization_config
     (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     generation_config = getattr(model, "generation_config", None)
@@ -259,7 +387,9 @@ def save_quantized(model: nn.Module, directory: os.PathLike, *, tokenizer=None,
     tensor as it is; ``config.json`` (the model's transformers config, if any, plus the
     ``quantization_config``); ``generation_config.json`` and the ``tokenizer``'s files when
     given. vLLM and transformers load the directory as an FP8 model; so does load_quantized.
-    Files of an earlier save in the directory are replaced. Returns the directory.
+    Files of an earlier save in the directory are replaced. The config's
+    ``tie_word_embeddings`` says whether the input and output embeddings are one tensor
+    (written once) or two (e.g. an lm_head converted by hand). Returns the directory.
 
     Refused: fp8 e5m2 layers (the format stores e4m3 only) and static layers that have not
     been calibrated.
@@ -334,6 +464,17 @@ def _check_stored(stored: dict[str, StoredTensor], name: str, shape, dtypes, wha
     return tensor
 
 
+def _check_meta_dtype(name: str, tensor: torch.Tensor, stored_dtype: torch.dtype) -> None:
+    """A tensor on the meta device takes the stored dtype, within its kind: a float64 or
+    integer norm weight would only fail later, in forward."""
+    if tensor.is_floating_point() and stored_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"checkpoint does not match the model: {name} is stored as {stored_dtype}; a floating-point "
+                         "parameter must be stored as float32, bfloat16 or float16")
+    if not tensor.is_floating_point() and (stored_dtype.is_floating_point or stored_dtype.is_complex):
+        raise ValueError(f"checkpoint does not match the model: {name} is stored as {stored_dtype}; an integer "
+                         f"or bool buffer ({tensor.dtype} in the model) must be stored as an integer or bool")
+
+
 def _plan_layer(name: str, module: nn.Module, scheme: CheckpointScheme, stored: dict[str, StoredTensor],
                 fused_modules: dict[str, tuple[str, ...]], places) -> _LayerPlan | None:
     """The plan for one linear layer of the model, or None if the checkpoint stores it in full precision."""
@@ -375,7 +516,7 @@ def _plan_layer(name: str, module: nn.Module, scheme: CheckpointScheme, stored: 
             if input_scale.shape not in [(), (1,)]:
                 raise _mismatch(f"{part}.input_scale", "shape", "[] or [1]", list(input_scale.shape))
         if module.bias is not None:  # a bias on the meta device takes the stored dtype
-            bias_dtypes = _FLOAT_SCALE_DTYPES if module.bias.device.type == "meta" else (module.bias.dtype,)
+            bias_dtypes = FLOAT_DTYPES if module.bias.device.type == "meta" else (module.bias.dtype,)
             _check_stored(stored, f"{part}.bias", (weight.shape[0],), bias_dtypes, "bias")
     if sum(rows) != out_features:
         raise _mismatch(f"{name} (fused from {parts})", "output rows", out_features, sum(rows))
@@ -430,6 +571,8 @@ def _plan(model: nn.Module, scheme: CheckpointScheme, stored: dict[str, StoredTe
         if not present:
             raise ValueError(f"checkpoint does not match the model: tensor {names[0]} is missing")
         source = present[0]
+        if tensor.device.type == "meta":
+            _check_meta_dtype(source, tensor, stored[source].dtype)
         dtypes = (tensor.dtype,) if tensor.device.type != "meta" else (stored[source].dtype,)
         _check_stored(stored, source, tensor.shape, dtypes, "")
         consumed.update(names)
@@ -493,7 +636,7 @@ def _read_and_build(layers: list[_LayerPlan], tensors: list[_TensorPlan], stored
     read: dict[str, torch.Tensor] = {}
     with progress_bar(progress, total=len(needed), desc="Loading FP8 checkpoint", unit="tensor") as bar:
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt", device=str(device)) as file:
+            with open_safetensors(path, device) as file:
                 for name in names:
                     read[name] = file.get_tensor(name)
                     bar.update(1)
@@ -513,9 +656,10 @@ def load_quantized(directory: os.PathLike, model: nn.Module | None = None, *,
     its quantized layers become FP8Linear layers holding the stored fp8 tensors and its
     other parameters and buffers take the stored ones; the model is returned.
 
-    Every stored tensor must match a model tensor by name, shape and dtype (a parameter on
-    the meta device takes the stored dtype), and every model tensor must be stored; tied
-    parameters stay tied. ``fused_modules`` names the model's fused layers (e.g.
+    Every stored tensor must match a model tensor by name, shape and dtype (a tensor on
+    the meta device takes the stored dtype: float32, bfloat16 or float16 for a floating-point
+    one, an integer or bool dtype for an integer or bool buffer), and every model tensor
+    must be stored; tied parameters stay tied. ``fused_modules`` names the model's fused layers (e.g.
     ``qkv_proj``) that the checkpoint may store as parts with a scale each. On a mismatch,
     a ValueError names the tensor and the model is left untouched. Tensors are read onto
     ``device`` (default: where the model's tensors are, else the CPU).

@@ -45,6 +45,25 @@ class ConversionReport:
         return "\n".join(lines)
 
 
+def tied_weights(model: nn.Module) -> dict[int, list[str]]:
+    """For each nn.Linear (by id) whose weight another module also holds (tied embeddings),
+    the names of the weight in those other modules. A module reachable under two names
+    (a shared module) is one module: its weight is not tied."""
+    holders: dict[int, list[tuple[int, str]]] = {}  # id(parameter) -> [(id(module), name)]
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attribute, parameter in module._parameters.items():
+            if parameter is not None:
+                name = f"{module_name}.{attribute}" if module_name else attribute
+                holders.setdefault(id(parameter), []).append((id(module), name))
+    tied: dict[int, list[str]] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight is not None:
+            others = [name for key, name in holders.get(id(module.weight), []) if key != id(module)]
+            if others:
+                tied[id(module)] = others
+    return tied
+
+
 def skip_reason(module: nn.Module, fqn: str, skip_modules, filter_fn, *, check_weight: bool = True) -> str | None:
     """Why this nn.Linear is not converted, or None to convert it. ``check_weight=False``
     for a model skeleton whose weights are still in a checkpoint (on the meta device)."""
@@ -81,7 +100,9 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
     options: the fields of :class:`FP8Config` (``weight_granularity``,
         ``activations``, ``activation_granularity``, ``fp8_dtype``); see SCHEMES.
 
-    A module used in two places stays one shared module. Every layer that is not
+    A module used in two places stays one shared module. A layer whose weight is tied to
+    another module's parameter (an lm_head tied to the input embeddings) is kept:
+    converting it would untie it, adding an fp8 copy beside the embedding. Every layer that is not
     converted is reported with the reason (log level WARNING when it could not be
     converted, INFO when it was excluded on purpose); the report is also stored
     as ``model.fp8linear_report``. If a conversion fails, the model is unchanged.
@@ -94,6 +115,7 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
     skip_modules = {skip_modules} if isinstance(skip_modules, str) else set(skip_modules or ())
 
     report = ConversionReport()
+    tied = tied_weights(model)
     to_convert: dict[int, nn.Linear] = {}  # id(old module) -> old module, so shared modules stay shared
     places: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, old module)
     # First plan and build every replacement without touching the model, so that a
@@ -109,6 +131,10 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
                 places.append((parent, child_name, child))
                 continue
             reason = skip_reason(child, fqn, skip_modules, filter_fn)
+            if reason is None and id(child) in tied:
+                # converting would untie it: an fp8 copy beside the embedding, and a
+                # config (tie_word_embeddings) that no longer describes the model
+                reason = f"weight tied to {tied[id(child)]}"
             if reason is not None:
                 report.skipped.setdefault(fqn, reason)
                 continue
@@ -125,6 +151,10 @@ def quantize_model(model: nn.Module, quantization: str | None = "fp8", *, skip_m
     for name, reason in report.skipped.items():
         if reason.startswith(("weight", "subclass")):
             logger.warning("fp8linear: could not convert %s: %s", name, reason)
+    if not report.converted:
+        present = sum(isinstance(module, FP8Linear) for module in model.modules())
+        if present:
+            logger.warning("fp8linear: the model already holds %d FP8Linear layers; nothing was converted", present)
     model.fp8linear_report = report
     return model
 

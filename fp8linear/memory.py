@@ -37,6 +37,9 @@ class MemoryReport:
 
     def __str__(self) -> str:
         mb = 1e6
+        if not self.converted_layers:
+            return (f"no FP8Linear layers; {self.other_linear_layers} nn.Linear layers: "
+                    f"{self.other_linear_bytes / mb:.1f} MB")
         return (f"{self.converted_layers} FP8Linear layers: {self.converted_bytes / mb:.1f} MB "
                 f"(bf16: {self.converted_bf16_bytes / mb:.1f} MB, ratio {self.ratio:.3f}); "
                 f"{self.other_linear_layers} other nn.Linear layers: {self.other_linear_bytes / mb:.1f} MB")

@@ -61,7 +61,7 @@ def test_none_changes_nothing_and_unknown_is_refused():
     with pytest.raises(ValueError, match=r"quantization must be one of \['fp8'\]"):
         fp8linear.quantize_model(model, "int4")
     with pytest.raises(ValueError, match="weight_granularity must be one of"):
-        fp8linear.quantize_model(model, "fp8", weight_granularity="block")
+        fp8linear.quantize_model(model, "fp8", weight_granularity="row")
 
 
 def test_skip_modules_and_filter_fn():
