@@ -64,7 +64,9 @@ def _add_quantize_command(commands) -> None:
     quantize.add_argument("--scheme", choices=list(SCHEMES), default="per-channel",
                           help="per-tensor: one scale per weight and per activation tensor; per-channel (default): "
                                "per-channel weights, per-token activations; static: per-tensor scales with "
-                               "activation scales calibrated on --calibration-text; weight-only: fp8 weights only")
+                               "activation scales calibrated on --calibration-text; weight-only: fp8 weights only; "
+                               "block: 128 x 128 weight blocks, activations per token and group of 128 (the "
+                               "DeepSeek-V3 / Qwen3 FP8 layout, written as compressed-tensors FP8_BLOCK)")
     quantize.add_argument("--calibration-text", metavar="FILE", default=None,
                           help="a UTF-8 text file to calibrate the static scheme's activation scales on")
     quantize.add_argument("--calibration-samples", type=_at_least_one, default=16,

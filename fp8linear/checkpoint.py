@@ -433,11 +433,26 @@ class _LayerPlan:
     parts: list[str]  # checkpoint layer names: [name], or the parts in fused order
     bias: bool
     places: list[tuple[nn.Module, str]]  # (parent, attribute) where the model holds the layer
+    scale_name: str = "weight_scale"  # or weight_scale_inv (DeepSeek / Qwen3 / Mistral)
+    input_name: str = "input_scale"  # or activation_scale (Mistral)
 
     def tensor_names(self) -> list[str]:
-        suffixes = ["weight", "weight_scale"] + (["bias"] if self.bias else [])
-        suffixes += ["input_scale"] if self.config.activations == "static" else []
+        suffixes = ["weight", self.scale_name] + (["bias"] if self.bias else [])
+        suffixes += [self.input_name] if self.config.activations == "static" else []
         return [f"{part}.{suffix}" for part in self.parts for suffix in suffixes]
+
+
+def _stored_suffix(stored: dict[str, StoredTensor], parts: list[str], names: tuple[str, ...]) -> str:
+    """Which of the scale's possible names the checkpoint uses (the first if none: then
+    the missing tensor is reported under that name)."""
+    for suffix in names:
+        if all(f"{part}.{suffix}" in stored for part in parts):
+            return suffix
+    return names[0]
+
+
+def _block_grid(rows: int, cols: int) -> tuple[int, int]:
+    return -(-rows // 128), -(-cols // 128)
 
 
 @dataclasses.dataclass
@@ -498,29 +513,39 @@ def _plan_layer(name: str, module: nn.Module, scheme: CheckpointScheme, stored: 
         raise ValueError(f"checkpoint stores {name} in fp8, but the model's layer is a "
                          f"{type(module).__qualname__}, a subclass of nn.Linear that FP8Linear cannot replace")
     out_features, in_features = module.out_features, module.in_features
+    scale_name = _stored_suffix(stored, parts, scheme.weight_scale_names)
+    input_name = _stored_suffix(stored, parts, scheme.input_scale_names)
     rows = []
-    for part in parts:
+    for index, part in enumerate(parts):
         shape = (out_features, in_features) if len(parts) == 1 else None  # parts: checked below
         weight = _check_stored(stored, f"{part}.weight", shape, (config.fp8_dtype,), "fp8 weight")
         if len(weight.shape) != 2 or weight.shape[1] != in_features:
             raise _mismatch(f"{part}.weight", "shape", f"[*, {in_features}]", list(weight.shape))
         rows.append(weight.shape[0])
-        scale_shapes = ([(weight.shape[0], 1), (weight.shape[0],)] if config.weight_granularity == "channel"
-                        else [(), (1,)])
-        scale = _check_stored(stored, f"{part}.weight_scale", None, _FLOAT_SCALE_DTYPES, "weight scale")
+        if config.weight_granularity == "channel":
+            scale_shapes = [(weight.shape[0], 1), (weight.shape[0],)]
+        elif config.weight_granularity == "block":
+            scale_shapes = [_block_grid(weight.shape[0], in_features)]
+            if index < len(parts) - 1 and weight.shape[0] % 128:
+                raise ValueError(f"checkpoint layers {parts}, fused into the model's {name}: {part} has "
+                                 f"{weight.shape[0]} rows, not whole blocks of 128, so its block scales cannot "
+                                 "be stacked with the next part's")
+        else:
+            scale_shapes = [(), (1,)]
+        scale = _check_stored(stored, f"{part}.{scale_name}", None, _FLOAT_SCALE_DTYPES, "weight scale")
         if scale.shape not in scale_shapes:
-            raise _mismatch(f"{part}.weight_scale", "shape", " or ".join(str(list(s)) for s in scale_shapes),
+            raise _mismatch(f"{part}.{scale_name}", "shape", " or ".join(str(list(s)) for s in scale_shapes),
                             list(scale.shape))
         if config.activations == "static":
-            input_scale = _check_stored(stored, f"{part}.input_scale", None, _FLOAT_SCALE_DTYPES, "input scale")
+            input_scale = _check_stored(stored, f"{part}.{input_name}", None, _FLOAT_SCALE_DTYPES, "input scale")
             if input_scale.shape not in [(), (1,)]:
-                raise _mismatch(f"{part}.input_scale", "shape", "[] or [1]", list(input_scale.shape))
+                raise _mismatch(f"{part}.{input_name}", "shape", "[] or [1]", list(input_scale.shape))
         if module.bias is not None:  # a bias on the meta device takes the stored dtype
             bias_dtypes = FLOAT_DTYPES if module.bias.device.type == "meta" else (module.bias.dtype,)
             _check_stored(stored, f"{part}.bias", (weight.shape[0],), bias_dtypes, "bias")
     if sum(rows) != out_features:
         raise _mismatch(f"{name} (fused from {parts})", "output rows", out_features, sum(rows))
-    return _LayerPlan(name, config, parts, module.bias is not None, places)
+    return _LayerPlan(name, config, parts, module.bias is not None, places, scale_name, input_name)
 
 
 def _plan(model: nn.Module, scheme: CheckpointScheme, stored: dict[str, StoredTensor],
@@ -552,7 +577,8 @@ def _plan(model: nn.Module, scheme: CheckpointScheme, stored: dict[str, StoredTe
             replaced.add(key)
             consumed.update(plan.tensor_names())
             for alias in names_of[key][1:]:  # a shared module's other names may also be stored: not read
-                consumed.update(f"{alias}.{suffix}" for suffix in ("weight", "weight_scale", "input_scale", "bias"))
+                consumed.update(f"{alias}.{suffix}" for suffix in ("weight", "bias", *scheme.weight_scale_names,
+                                                                   *scheme.input_scale_names))
 
     groups: dict[int, tuple[list[str], list[tuple[nn.Module, str, bool]], torch.Tensor]] = {}
     for key, module in modules.items():
@@ -603,16 +629,21 @@ def _build_layer(plan: _LayerPlan, read: dict[str, torch.Tensor]) -> FP8Linear:
     their scales (as vLLM does: one scale per kernel call), per-channel ones concatenated."""
     config = plan.config
     weights = [read[f"{part}.weight"] for part in plan.parts]
-    scales = [read[f"{part}.weight_scale"].to(torch.float32) for part in plan.parts]
+    scales = [read[f"{part}.{plan.scale_name}"].to(torch.float32) for part in plan.parts]
     biases = [read[f"{part}.bias"] for part in plan.parts] if plan.bias else None
-    input_scales = ([read[f"{part}.input_scale"].to(torch.float32).reshape(()) for part in plan.parts]
+    input_scales = ([read[f"{part}.{plan.input_name}"].to(torch.float32).reshape(()) for part in plan.parts]
                     if config.activations == "static" else None)
     if len(plan.parts) == 1:  # the stored tensors as they are: no copy
         weight, bias = weights[0], biases[0] if biases else None
-        weight_scale = scales[0].reshape(-1, 1) if config.weight_granularity == "channel" else scales[0].reshape(())
+        if config.weight_granularity == "block":
+            weight_scale = scales[0]
+        else:
+            weight_scale = scales[0].reshape(-1, 1) if config.weight_granularity == "channel" else scales[0].reshape(())
         input_scale = input_scales[0] if input_scales else None
     else:
-        if config.weight_granularity == "channel":
+        if config.weight_granularity == "block":  # whole 128-row blocks per part (checked in the plan)
+            weight, weight_scale = torch.cat(weights), torch.cat(scales)
+        elif config.weight_granularity == "channel":
             weight, weight_scale = torch.cat(weights), torch.cat([s.reshape(-1, 1) for s in scales])
         else:
             weight_scale = torch.stack([s.reshape(()) for s in scales]).max()

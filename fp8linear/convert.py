@@ -29,6 +29,9 @@ SCHEMES = {
     "static": {"activations": "static"},
     # fp8 weights, activations left in their precision: half the weight memory, no activation error
     "weight-only": {"weight_granularity": "channel", "activations": "none"},
+    # 128 x 128 weight blocks, activations per token and group of 128 (DeepSeek-V3, Qwen3 FP8,
+    # llm-compressor's FP8_BLOCK)
+    "block": {"weight_granularity": "block", "activation_granularity": "group"},
 }
 
 

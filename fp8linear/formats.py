@@ -22,7 +22,12 @@ compressed-tensors infers for it). Scales are the dequantization multipliers, as
 
 vLLM "fp8" (AutoFP8 checkpoints): ``{"quant_method": "fp8", "activation_scheme":
 "static" | "dynamic", "ignored_layers": [...]}`` with per-tensor ``weight_scale`` and
-``input_scale``; ``weight_block_size`` (DeepSeek-style blocks) has no FP8Linear equivalent.
+``input_scale``. The block-wise checkpoints of DeepSeek-V3 / Qwen3 use the same method with
+``"weight_block_size": [128, 128]`` and ``<layer>.weight_scale_inv`` ``[ceil(N/128),
+ceil(K/128)]`` (float32, bfloat16 or float16; a dequantization multiplier despite its name),
+activations dynamic per token and group of 128; compressed-tensors writes the same as
+weights ``"strategy": "block", "block_structure": [128, 128]`` with activations
+``"strategy": "group", "group_size": 128`` (its FP8_BLOCK preset).
 
 This module depends on neither package: the test suite checks what it writes against
 compressed-tensors' own parser and what it reads against checkpoints written by it.
@@ -47,10 +52,16 @@ NAIVE_QUANTIZED = "naive-quantized"  # fp8 weights, activations left alone
 MIXED_PRECISION = "mixed-precision"
 
 
+BLOCK = 128  # the only block size of FP8Linear's block-wise layers (weights 128 x 128, activation groups 128)
+
+
 def _args(strategy: str, dynamic: bool) -> dict:
     """One compressed-tensors ``QuantizationArgs`` for 8-bit floats, serialized as it does."""
-    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": BLOCK if strategy == "group" else None,
             "strategy": strategy, "dynamic": dynamic}
+    if strategy == "block":
+        args["block_structure"] = [BLOCK, BLOCK]
+    return args
 
 
 def _scheme(config: FP8Config, targets: list[str]) -> dict:
@@ -62,7 +73,7 @@ def _scheme(config: FP8Config, targets: list[str]) -> dict:
     elif config.activations == "static":
         activations = _args("tensor", dynamic=False)
     else:
-        activations = _args(config.activation_granularity, dynamic=True)
+        activations = _args(config.activation_granularity, dynamic=True)  # tensor, token or group
     return {"targets": targets, "weights": _args(config.weight_granularity, dynamic=False),
             "input_activations": activations, "output_activations": None,
             "format": NAIVE_QUANTIZED if activations is None else FLOAT_QUANTIZED}
@@ -118,14 +129,19 @@ def _fp8_config_from_args(group: str, weights: dict | None, activations: dict | 
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         refuse("asymmetric or dynamic weight quantization")
     weight_strategy = weights.get("strategy") or ("channel" if weights.get("group_size") == -1 else "tensor")
-    if weight_strategy not in ("tensor", "channel"):
-        refuse(f"weight strategy {weight_strategy!r} (FP8Linear has per-tensor and per-channel weight scales)")
+    if weight_strategy not in ("tensor", "channel", "block"):
+        refuse(f"weight strategy {weight_strategy!r} (FP8Linear has per-tensor, per-channel and 128 x 128 block "
+               "weight scales)")
+    if weight_strategy == "block" and list(weights.get("block_structure") or []) != [BLOCK, BLOCK]:
+        refuse(f"block_structure {weights.get('block_structure')} (FP8Linear's block-wise kernels use 128 x 128)")
     if activations is None:
         return FP8Config(weight_granularity=weight_strategy, activations="none")
     if activations.get("type") != "float" or activations.get("num_bits") != 8 or not activations.get("symmetric", True):
         refuse(f"input activations {activations}")
     strategy = activations.get("strategy") or "tensor"
-    if activations.get("dynamic") is True and strategy in ("tensor", "token"):
+    if strategy == "group" and activations.get("group_size") != BLOCK:
+        refuse(f"activation groups of {activations.get('group_size')} (FP8Linear's groups are {BLOCK} wide)")
+    if activations.get("dynamic") is True and strategy in ("tensor", "token", "group"):
         return FP8Config(weight_granularity=weight_strategy, activations="dynamic", activation_granularity=strategy)
     if activations.get("dynamic") is False and strategy == "tensor":
         return FP8Config(weight_granularity=weight_strategy, activations="static")
@@ -148,6 +164,11 @@ class CheckpointScheme:
     ignore: list[str]
     decided_by_dtype: bool = False
     raw: dict = dataclasses.field(default_factory=dict)
+    #: the names of the stored scales: compressed-tensors and AutoFP8 write weight_scale and
+    #: input_scale; DeepSeek-V3 / Qwen3 / Mistral ("fp8" with weight_scale_inv) write
+    #: weight_scale_inv and activation_scale (a dequantization multiplier despite the name)
+    weight_scale_names: tuple[str, ...] = ("weight_scale",)
+    input_scale_names: tuple[str, ...] = ("input_scale",)
 
     def config_for(self, name: str, module: nn.Module, stored_dtype: torch.dtype | None) -> FP8Config | None:
         """The FP8Config of layer ``name`` (an nn.Linear or FP8Linear), or None if it is
@@ -210,12 +231,27 @@ def _parse_compressed_tensors(quantization: dict, source: str) -> CheckpointSche
 
 
 def _parse_vllm_fp8(quantization: dict, source: str) -> CheckpointScheme:
-    if quantization.get("weight_block_size"):
-        raise ValueError(f"{source}: weight_block_size {quantization['weight_block_size']} (block-wise fp8 "
-                         "scales) has no FP8Linear equivalent (per-tensor or per-channel scales)")
+    """vLLM's "fp8" method: AutoFP8 (per-tensor weight_scale / input_scale) and the
+    block-wise checkpoints of DeepSeek-V3 and Qwen3 (weight_block_size [128, 128],
+    weight_scale_inv per block, dynamic activations per token and group of 128); Mistral's
+    per-tensor variant (weight_block_size null, weight_scale_inv and activation_scale)."""
     scheme = quantization.get("activation_scheme", "dynamic")
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"{source}: activation_scheme must be 'static' or 'dynamic', got {scheme!r}")
-    config = FP8Config(activations=scheme)  # per-tensor weights and activations, as that format defines
-    return CheckpointScheme(VLLM_FP8, [(["Linear"], config)], list(quantization.get("ignored_layers") or []),
-                            decided_by_dtype=True, raw=quantization)
+    fmt = quantization.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{source}: fmt {fmt!r}: fp8linear reads e4m3 block-wise checkpoints")
+    block = quantization.get("weight_block_size")
+    if block:
+        if list(block) != [BLOCK, BLOCK]:
+            raise ValueError(f"{source}: weight_block_size {block}: FP8Linear's block-wise kernels use "
+                             f"[{BLOCK}, {BLOCK}]")
+        # activations are quantized per token and group of 128 (dynamic), as DeepSeek's kernels do
+        config = (FP8Config(weight_granularity="block", activation_granularity="group") if scheme == "dynamic"
+                  else FP8Config(weight_granularity="block", activations="static"))
+    else:
+        config = FP8Config(activations=scheme)  # per-tensor weights and activations, as that format defines
+    ignored = [*(quantization.get("ignored_layers") or []), *(quantization.get("modules_to_not_convert") or [])]
+    return CheckpointScheme(VLLM_FP8, [(["Linear"], config)], ignored, decided_by_dtype=True, raw=quantization,
+                            weight_scale_names=("weight_scale", "weight_scale_inv"),
+                            input_scale_names=("input_scale", "activation_scale"))

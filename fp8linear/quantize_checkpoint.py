@@ -170,7 +170,7 @@ def _write_config(out_dir: pathlib.Path, config: dict, layers: dict[str, FP8Conf
 def _stream_shards(files: list[pathlib.Path], out_dir: pathlib.Path, convert: set[str], config: FP8Config,
                    memory: MemoryReport, progress) -> dict[str, str]:
     """Quantize the linear weights of each shard and write it under the same name; returns the weight map."""
-    granularity = "row" if config.weight_granularity == "channel" else "tensor"
+    granularity = {"tensor": "tensor", "channel": "row", "block": "block"}[config.weight_granularity]
     weight_map: dict[str, str] = {}
     with progress_bar(progress, total=len(files), desc="Quantizing shards", unit="shard") as bar:
         for path in files:

@@ -59,7 +59,8 @@ def test_written_config_is_what_compressed_tensors_parses(scheme, tmp_path):
         assert file.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
         scale = file.get_tensor("model.layers.0.mlp.up_proj.weight_scale")
         assert scale.dtype == torch.float32
-        assert scale.shape == ((344, 1) if group["weights"]["strategy"] == "channel" else (1,))
+        expected_shapes = {"channel": (344, 1), "block": (3, 1), "tensor": (1,)}  # up_proj: [344, 128]
+        assert scale.shape == expected_shapes[group["weights"]["strategy"]]
         has_input_scale = "model.layers.0.mlp.up_proj.input_scale" in file.keys()
     assert has_input_scale == (scheme == "static")
 
@@ -74,13 +75,16 @@ def test_transformers_reads_our_checkpoint(scheme, tmp_path):
     of the quantization error itself."""
     pytest.importorskip("compressed_tensors")
     transformers = pytest.importorskip("transformers")
-    model = converted_llama(scheme)
+    # compressed-tensors' block-wise forward needs whole blocks of 128 (it reshapes the
+    # activations into groups): an intermediate size of 384 instead of 344 for it
+    aligned = {"intermediate_size": 384} if scheme == "block" else {}
+    model = converted_llama(scheme, **aligned)
     ids = token_ids()
     fp8linear.save_quantized(model, tmp_path, tokenizer=tiny_tokenizer())
     reader = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reader.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn  # stored compressed
     read_logits = logits(reader, ids)  # the first forward decompresses the reader's layers
-    quantization_error = relative_error(logits(model, ids), logits(tiny_llama(), ids))
+    quantization_error = relative_error(logits(model, ids), logits(tiny_llama(**aligned), ids))
     assert 0.01 < quantization_error < 0.2
     assert relative_error(read_logits, logits(model, ids)) < quantization_error / 20
     x = torch.randn(3, 7, 128)
@@ -99,7 +103,7 @@ def write_with_compressed_tensors(preset: str, directory) -> nn.Module:
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = tiny_llama(seed=3)
+    model = tiny_llama(seed=3, **({"intermediate_size": 384} if preset == "FP8_BLOCK" else {}))
     config = lifecycle.QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                                           ignore=["lm_head"])
     lifecycle.apply_quantization_config(model, config)
@@ -109,8 +113,14 @@ def write_with_compressed_tensors(preset: str, directory) -> nn.Module:
             continue
         weight = module.weight.detach()
         per_channel = scheme.weights.strategy == "channel"
-        low = weight.amin(dim=1, keepdim=True) if per_channel else weight.amin()
-        high = weight.amax(dim=1, keepdim=True) if per_channel else weight.amax()
+        if scheme.weights.strategy == "block":  # min and max per 128 x 128 block (partial at the edges)
+            n, k = weight.shape
+            grid = [[weight[r:r + 128, c:c + 128] for c in range(0, k, 128)] for r in range(0, n, 128)]
+            low = torch.tensor([[block.min() for block in row] for row in grid])
+            high = torch.tensor([[block.max() for block in row] for row in grid])
+        else:
+            low = weight.amin(dim=1, keepdim=True) if per_channel else weight.amin()
+            high = weight.amax(dim=1, keepdim=True) if per_channel else weight.amax()
         scale, _ = calculate_qparams(low, high, scheme.weights)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "input_scale"):  # static: what a calibration would have found
@@ -125,6 +135,7 @@ def write_with_compressed_tensors(preset: str, directory) -> nn.Module:
 @pytest.mark.parametrize("preset, expected", [
     ("FP8_DYNAMIC", fp8linear.FP8Config(weight_granularity="channel", activation_granularity="token")),
     ("FP8", fp8linear.FP8Config(activations="static")),
+    ("FP8_BLOCK", fp8linear.FP8Config(weight_granularity="block", activation_granularity="group")),
 ])
 def test_compressed_tensors_checkpoint_loads_into_fp8linear(preset, expected, tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -138,14 +149,16 @@ def test_compressed_tensors_checkpoint_loads_into_fp8linear(preset, expected, tm
     assert len(layers) == 14 and all(layer.config == expected for layer in layers.values())
     # as in test_transformers_reads_our_checkpoint: float32-exact per layer, and the whole
     # model within a small fraction of the quantization error
-    quantization_error = relative_error(reference, logits(tiny_llama(seed=3), ids))
+    original = tiny_llama(seed=3, **({"intermediate_size": 384} if preset == "FP8_BLOCK" else {}))
+    quantization_error = relative_error(reference, logits(original, ids))
     assert relative_error(logits(loaded, ids), reference) < quantization_error / 20
     x = torch.randn(3, 7, 128)
     with torch.no_grad():
         ours, theirs = loaded.model.layers[1].mlp.up_proj(x), reader.model.layers[1].mlp.up_proj(x)
     assert relative_error(ours, theirs) < 1e-5
     # into an existing full-precision model: its linear layers become FP8Linear
-    into = fp8linear.load_quantized(tmp_path, tiny_llama(seed=9))
+    into = fp8linear.load_quantized(tmp_path, tiny_llama(seed=9, **({"intermediate_size": 384} if preset == "FP8_BLOCK"
+                                                                    else {})))
     assert torch.equal(logits(into, ids), logits(loaded, ids))
 
 

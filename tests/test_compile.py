@@ -51,7 +51,8 @@ def test_the_fp8_ops_are_in_the_graph(scheme):
     assert len(graphs) == 1
     targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert "fp8linear.scaled_mm" in targets
-    assert ("fp8linear.quantize_fp8" in targets) == (scheme != "weight-only")
+    quantize_op = "fp8linear.quantize_fp8_blocks" if scheme == "block" else "fp8linear.quantize_fp8"
+    assert (quantize_op in targets) == (scheme != "weight-only")
 
 
 def test_inductor_runs_fp8linear():

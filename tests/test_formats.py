@@ -72,11 +72,15 @@ GROUP = ("config_groups", "group_0")
 
 
 @pytest.mark.parametrize("config, message", [
-    (change(GROUP + ("weights", "strategy"), "block"), "weight strategy 'block'"),
+    (change(GROUP + ("weights", "strategy"), "block"), "block_structure None"),
+    (change(GROUP + ("weights",), {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}),
+     "block_structure \\[64, 64\\]"),
     (change(GROUP + ("weights", "strategy"), "group"), "weight strategy 'group'"),
     (change(GROUP + ("weights", "symmetric"), False), "asymmetric"),
     (change(GROUP + ("weights", "type"), "int"), "weights"),
-    (change(GROUP + ("input_activations", "strategy"), "group"), "strategy 'group'"),
+    (change(GROUP + ("input_activations", "strategy"), "group"), "activation groups of None"),
+    (change(GROUP + ("input_activations",), {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 64,
+                                             "dynamic": True}), "activation groups of 64"),
     (change(GROUP + ("input_activations", "dynamic"), False), "strategy 'token' and dynamic=False"),
     (change(GROUP + ("input_activations", "num_bits"), 4), "input activations"),
     (change(GROUP + ("output_activations",), {"num_bits": 8, "type": "float"}), "quantizes output activations"),
@@ -86,7 +90,8 @@ GROUP = ("config_groups", "group_0")
     (change(("kv_cache_scheme",), {"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
     (change(("quantization_status",), "frozen"), "quantization_status 'frozen'"),
     (change(("quant_method",), "gptq"), "must be 'compressed-tensors' or 'fp8', got 'gptq'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
     ({"quant_method": "fp8", "activation_scheme": "sometimes"}, "activation_scheme"),
     ({"model_type": "llama"}, "no quantization_config"),
 ])
