@@ -148,6 +148,10 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         copies8 = layer_copies(n, k, rows, 1, smoke)
         fp8_layers = [fp8linear.FP8Linear.from_linear(source) for _ in range(copies8)]
+        # the block-wise scheme (DeepSeek-V3 / Qwen3 checkpoints) beside the per-channel one it is held to
+        channel_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["per-channel"])
+                          for _ in range(copies8)]
+        block_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["block"]) for _ in range(copies8)]
         bf16_weights = [source.weight.detach().bfloat16().clone() for _ in range(layer_copies(n, k, rows, 2, smoke))]
         fp32_weights = [source.weight.detach().clone() for _ in range(layer_copies(n, k, rows, 4, smoke))]
         x32 = x.float()
@@ -156,6 +160,8 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
             "bf16": (lambda w: F.linear(x, w), bf16_weights),
             "fp32": (lambda w: F.linear(x32, w), fp32_weights),
             "fp8linear": (lambda layer: layer(x), fp8_layers),
+            "per-channel": (lambda layer: layer(x), channel_layers),
+            "block": (lambda layer: layer(x), block_layers),
             # torch's CPU fp8 GEMM is slow enough that one layer per pass is plenty
             "_scaled_mm": (lambda layer: torch._scaled_mm(qx, layer.weight.t(), sx, layer.weight_scale,
                                                           out_dtype=torch.bfloat16), fp8_layers[:1]),
@@ -200,6 +206,9 @@ def format_row(entry):
              f"{2 * rows * n * k / fp8 / 1e12:.3f}"]
     probe = t.get("read probe")
     cells.append(f"{100 * probe / fp8:.0f}% of {n * k / probe / 1e9:.1f}" if probe else "")
+    channel, block = t.get("per-channel"), t.get("block")
+    cells += [f"{channel * 1e3:.3f}" if channel else "n/a", f"{block * 1e3:.3f}" if block else "n/a",
+              f"{block / channel:.2f}" if channel and block else "n/a"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -223,7 +232,7 @@ def bench_quantize(elements: int, repeats: int):
 def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed):
     args.output_dir.mkdir(parents=True, exist_ok=True)
     header = ("| layer (N x K) | M | fp8linear ms | bf16 ms | vs bf16 | vs fp32 | vs _scaled_mm | vs torchao "
-              "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) |")
+              "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) | per-channel ms | block ms | block / per-channel |")
     lines = [
         "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
         "",
@@ -245,7 +254,11 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         f"{MIN_SAMPLE_SECONDS * 1e3:.0f} ms); ratios > 1 mean FP8Linear is "
         f"faster. M <= {DECODE_ROWS} cycles through >= 1 GB of weights per format (from DRAM); larger M uses "
         "two copies (compute-bound). FP8Linear's time includes quantizing its bf16 input; `_scaled_mm` is "
-        "given pre-quantized input. GB/s counts fp8 weight bytes only.",
+        "given pre-quantized input. GB/s counts fp8 weight bytes only. \"fp8linear\" is the default scheme "
+        "(per-tensor); the last three columns time the per-channel scheme (per-channel weights, per-token "
+        "activations) and the block scheme (128 x 128 weight blocks, activations per token and group of 128, "
+        "as DeepSeek-V3 / Qwen3 FP8 checkpoints) in the same repetitions: \"block / per-channel\" > 1 means "
+        "block-wise is slower.",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),
