@@ -68,7 +68,8 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     # cuBLASLt miss float32 accuracy (see csrc/cuda/cublaslt.cu)
     return (a_fp8 and not (a.dtype == b.dtype == E5M2) and out_dtype != torch.float32
             and a.stride(1) == 1 and b.stride(0) == 1 and k % 16 == 0 and n % 16 == 0
-            and lda % 16 == 0 and ldb % 16 == 0 and aligned and (not vectors or _capability()[0] == 9)
+            and lda % 16 == 0 and ldb % 16 == 0 and lda >= k and ldb >= k
+            and aligned and (not vectors or _capability()[0] == 9)
             and (bias is None or bias.dtype == out_dtype))
 
 
@@ -524,3 +525,13 @@ def test_paths_blockwise(path, m, k, n, out_dtype):
     _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda"), out_dtype=out_dtype)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # weight-only
     _check(path, x, w.t(), torch.ones((), device="cuda"), scale_w.t(), out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("m", [17, 64])
+def test_paths_expanded_rows(path, m):
+    # x.expand(M, K): every row is the same memory (row stride 0); cuBLASLt, whose leading
+    # dimension must be at least K, refuses it, the other paths read it as it is
+    a, w, scale_a, scale_w = _operands(1, 256, 128)
+    expanded = a.expand(m, 256)
+    assert expanded.stride(0) == 0
+    _check(path, expanded, w, torch.ones((), device="cuda") * scale_a, scale_w)

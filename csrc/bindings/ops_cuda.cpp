@@ -1,8 +1,10 @@
 // CUDA implementations of the ops: the shared checks, then the torch-free launchers
 // of csrc/cuda on the current stream of the operands' device. Nothing here waits for
 // the GPU: dynamic scales stay on the device, static ones are read there.
-#include <ATen/cuda/CUDAContext.h>
+// Only the stream and guard headers: ATen/cuda/CUDAContext.h would pull in the cuBLAS,
+// cuSPARSE and cuSOLVER headers, which the build does not otherwise need.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -41,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   check_cuda(x, "x");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions float_options = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   // Static scales come back as copies: an op's outputs must not alias its inputs.
@@ -129,8 +131,18 @@ at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   fp8_cuda_path used = FP8_CUDA_PATH_NONE;
-  const char* error = fp8_cuda_scaled_mm_launch(&p, static_cast<fp8_cuda_path>(forced_path.load()), a.get_device(),
-                                                at::cuda::getCurrentCUDAStream(), &used);
+  const fp8_cuda_path path = static_cast<fp8_cuda_path>(forced_path.load());
+  // cuBLASLt's workspace from torch's caching allocator, on this stream: reused between
+  // calls, freed with the cache, and legal inside CUDA-graph capture (the graph's pool)
+  at::Tensor workspace;
+  fp8_cuda_workspace memory = {nullptr, 0};
+  if (fp8_cuda_may_use_cublaslt(&p, path)) {
+    const int64_t bytes = FP8_CUDA_CUBLASLT_WORKSPACE_BYTES + FP8_CUDA_BROADCAST_FLOATS * sizeof(float);
+    workspace = at::empty({bytes}, a.options().dtype(at::kByte));
+    memory = {workspace.data_ptr(), static_cast<size_t>(bytes)};
+  }
+  const char* error = fp8_cuda_scaled_mm_launch(&p, path, a.get_device(), c10::cuda::getCurrentCUDAStream(), memory,
+                                                &used);
   last_path = used;
   check_launch(error);
   return out;

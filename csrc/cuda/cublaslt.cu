@@ -9,8 +9,9 @@
 // workspace). A bias rides in the epilogue when it has the output's 16-bit dtype.
 // Anything else is left to our GEMM (scaled_mm.cu decides).
 //
-// Cached per device: the handle; per (device, stream): a 32 MiB workspace (a stream
-// must not share one with concurrent work); per problem: the heuristic's algorithm.
+// Cached per device: the handle; per problem: the heuristic's algorithm. The workspace
+// comes with each call (the bindings allocate it from torch's caching allocator on the
+// call's stream, so it follows the stream's ordering and CUDA-graph capture).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -31,19 +32,14 @@
 namespace fp8cuda {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // what cuBLAS recommends on Hopper
-constexpr int64_t kBroadcastFloats = int64_t(1) << 18;  // a per-tensor scale as an M- or N-vector
+constexpr size_t kWorkspaceBytes = FP8_CUDA_CUBLASLT_WORKSPACE_BYTES;  // what cuBLAS recommends on Hopper
+constexpr int64_t kBroadcastFloats = FP8_CUDA_BROADCAST_FLOATS;  // a per-tensor scale as an M- or N-vector
 constexpr int kMaxDevices = 64;
 
 const char* status_message(const char* what, cublasStatus_t status) {
   return error_text("fp8linear CUDA: %s: %s (cuBLAS status %d)", what, cublasLtGetStatusString(status),
                     static_cast<int>(status));
 }
-
-struct Workspace {
-  void* memory = nullptr;  // kWorkspaceBytes for cuBLASLt, then kBroadcastFloats floats
-  size_t bytes = 0;
-};
 
 struct ProblemKey {
   int device;
@@ -65,9 +61,10 @@ struct CachedAlgorithm {
 
 std::mutex cache_mutex;
 cublasLtHandle_t handles[kMaxDevices];
-std::map<std::pair<int, cudaStream_t>, Workspace> workspaces;
 std::map<ProblemKey, CachedAlgorithm> algorithms;
-// Set once cuBLASLt refuses outer-vector scales on a device, so later calls skip the try.
+// Set once cuBLASLt says outer-vector scales are not supported on a device (NOT_SUPPORTED),
+// so later calls skip the try. An INVALID_VALUE is taken as this problem's alone: its
+// cached algorithm is dropped and other shapes keep trying.
 bool outer_vector_refused[kMaxDevices];
 
 // The largest power of two (up to 256) that divides the address: cuBLASLt assumes
@@ -139,6 +136,11 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
   if (activation_ld(p) % 16 != 0 || weight_ld(p) % 16 != 0 || p->out_row_stride % 16 != 0) {
     return "cuBLASLt FP8 needs row strides that are multiples of 16";
   }
+  // Rows that overlap (an expanded activation, x.expand(M, K), has row stride 0) are a
+  // layout cuBLASLt does not take: its leading dimension must be at least K.
+  if ((p->m > 1 && p->a_row_stride < p->k) || (p->n > 1 && p->b_col_stride < p->k)) {
+    return "cuBLASLt needs rows that do not overlap (a row stride of at least K)";
+  }
   if (!is_aligned(p->a, 16) || !is_aligned(p->b, 16) || !is_aligned(p->out, 16)) {
     return "cuBLASLt FP8 needs 16-byte aligned operands";
   }
@@ -157,7 +159,7 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
 }
 
 const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, int major, int minor,
-                                     cudaStream_t stream, int* unsupported) {
+                                     cudaStream_t stream, fp8_cuda_workspace given, int* unsupported) {
   *unsupported = 0;
   if (const char* refusal = fp8_cuda_cublaslt_refusal(p, major, minor)) {
     *unsupported = 1;
@@ -167,7 +169,6 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
   const bool outer_vector = wants_outer_vector(p);
 
   cublasLtHandle_t handle;
-  Workspace workspace;
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
     if (outer_vector && outer_vector_refused[device]) {
@@ -182,26 +183,17 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
       }
     }
     handle = handles[device];
-    auto found = workspaces.find({device, stream});
-    if (found != workspaces.end()) {
-      workspace = found->second;
-    } else {
-      // cudaMalloc is not allowed while the stream is being captured into a CUDA graph:
-      // run without a workspace then (cuBLASLt picks algorithms that need none).
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      cudaStreamIsCapturing(stream, &capture);
-      if (capture == cudaStreamCaptureStatusNone) {
-        const size_t bytes = kWorkspaceBytes + kBroadcastFloats * sizeof(float);
-        const cudaError_t error = cudaMalloc(&workspace.memory, bytes);
-        if (error != cudaSuccess) return error_message("allocating the cuBLASLt workspace", error);
-        workspace.bytes = kWorkspaceBytes;
-        workspaces[{device, stream}] = workspace;
-      }
-    }
   }
+  // The caller's memory: cuBLASLt's workspace, then the broadcast scales.
+  struct {
+    void* memory;
+    size_t bytes;
+  } workspace = {nullptr, 0};
+  const size_t needed = kWorkspaceBytes + kBroadcastFloats * sizeof(float);
+  if (given.memory != nullptr && given.bytes >= needed) workspace = {given.memory, kWorkspaceBytes};
   if (outer_vector && workspace.memory == nullptr) {
     *unsupported = 1;
-    return "no workspace for broadcasting a per-tensor scale (first call made during graph capture)";
+    return "no workspace for broadcasting a per-tensor scale";
   }
 
   // Scales: cuBLASLt's A is our weight (scale_b), its B our activations (scale_a).
@@ -310,9 +302,12 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
                           stream);
   if (status == CUBLAS_STATUS_SUCCESS) return nullptr;
   if (outer_vector && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
-    // The documented way a device without outer-vector scales says so: remember it.
+    // NOT_SUPPORTED: the documented way a device without outer-vector scales says so,
+    // remembered for the device. INVALID_VALUE may concern this problem only: only its
+    // algorithm is forgotten (this shape falls back from now on; others still try).
     std::lock_guard<std::mutex> lock(cache_mutex);
-    outer_vector_refused[device] = true;
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) outer_vector_refused[device] = true;
+    algorithms[key] = CachedAlgorithm{false, cached.algorithm};
     *unsupported = 1;
     return status_message("cublasLtMatmul refused outer-vector scales", status);
   }

@@ -58,11 +58,25 @@ const char* fp8_cuda_path_name(fp8_cuda_path path);
 // Why `path` cannot run this call on a device of capability major.minor, or NULL if it can.
 const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p, int major, int minor);
 
+// Device memory the caller provides for one call (the bindings take it from torch's
+// caching allocator on the call's stream, which is also what CUDA-graph capture needs):
+// cuBLASLt's workspace followed by room to broadcast a per-tensor scale to a vector.
+typedef struct {
+  void* memory;  // NULL: cuBLASLt runs without a workspace, and without outer-vector scales
+  size_t bytes;
+} fp8_cuda_workspace;
+
+// The workspace a call may use (cuBLASLt's recommended 32 MiB on Hopper + 1 MiB of
+// broadcast scales), and whether this call could reach cuBLASLt at all on `path`
+// (otherwise the caller need not allocate it).
+enum { FP8_CUDA_CUBLASLT_WORKSPACE_BYTES = (32 << 20), FP8_CUDA_BROADCAST_FLOATS = (1 << 18) };
+int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path);
+
 // out = (a * scale_a) @ (b * scale_b) + bias on `path` (AUTO: the best one that can
 // run it). *used receives the path that ran. A forced path that cannot run the call
 // is an error, never a silent fallback.
 const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device,
-                                      cudaStream_t stream, fp8_cuda_path* used);
+                                      cudaStream_t stream, fp8_cuda_workspace workspace, fp8_cuda_path* used);
 
 // The kernel families, called by fp8_cuda_scaled_mm_launch once it has chosen.
 // Preconditions: M, N > 0; the family's refusal above is NULL.
@@ -74,6 +88,6 @@ const char* fp8_cuda_generic_launch(const fp8_scaled_mm_params* p, cudaStream_t 
 // problem at run time (no algorithm, or a scale mode this device lacks), so that
 // AUTO can fall back to our GEMM.
 const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, int major, int minor,
-                                     cudaStream_t stream, int* unsupported);
+                                     cudaStream_t stream, fp8_cuda_workspace workspace, int* unsupported);
 // Whether cuBLASLt can take this problem's shapes, strides, dtypes and scales, or why not.
 const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, int minor);

@@ -187,6 +187,12 @@ const char* launch_with_weight_kind(const fp8_scaled_mm_params* p, bool widen, c
 
 const char* fp8_cuda_gemm_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream) {
   using namespace fp8cuda;
+  // 16-bit tensor cores only: float32 activations would be rounded (the generic kernel
+  // takes them), and block-wise scales are summed per block only by the generic kernel
+  if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
+    return "fp8linear CUDA: gemm: float32 activations are not supported (the generic path takes them)";
+  }
+  if (p->scale_a_blocked || p->scale_b_blocked) return "fp8linear CUDA: gemm: block-wise scales are not supported";
   return p->b_format == FP8_E4M3FN ? launch_with_weight_kind<KindE4M3>(p, widen != 0, stream)
                                    : launch_with_weight_kind<KindE5M2>(p, widen != 0, stream);
 }

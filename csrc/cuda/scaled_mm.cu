@@ -53,13 +53,13 @@ const char* upconvert_refusal(const fp8_scaled_mm_params* p, int major, int mino
 }
 
 const char* run(fp8_cuda_path path, const fp8_scaled_mm_params* p, int device, const fp8_cuda_device_info* info,
-                cudaStream_t stream, int* unsupported) {
+                cudaStream_t stream, fp8_cuda_workspace workspace, int* unsupported) {
   *unsupported = 0;
   const bool skinny = p->m <= kSkinnyMaxTokens;
   const int widen_for_float32_sums = p->out_dtype == FP8_FLOAT32;
   switch (path) {
     case FP8_CUDA_PATH_CUBLASLT:
-      return fp8_cuda_cublaslt_launch(p, device, info->major, info->minor, stream, unsupported);
+      return fp8_cuda_cublaslt_launch(p, device, info->major, info->minor, stream, workspace, unsupported);
     case FP8_CUDA_PATH_GEMM:
       return fp8_cuda_gemm_launch(p, widen_for_float32_sums, stream);
     case FP8_CUDA_PATH_GEMV:
@@ -106,8 +106,15 @@ const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params
   }
 }
 
+int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path) {
+  if (path == FP8_CUDA_PATH_CUBLASLT) return 1;
+  // auto sends M <= 16 to the GEMV before asking cuBLASLt; the refusals that need no
+  // device (capability is checked at launch) rule out the rest
+  return path == FP8_CUDA_PATH_AUTO && p->m > kGemvMaxTokens && fp8_cuda_cublaslt_refusal(p, 9, 0) == nullptr;
+}
+
 const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device,
-                                      cudaStream_t stream, fp8_cuda_path* used) {
+                                      cudaStream_t stream, fp8_cuda_workspace workspace, fp8_cuda_path* used) {
   *used = FP8_CUDA_PATH_NONE;
   if (p->m == 0 || p->n == 0) return nullptr;
   const char* error = nullptr;
@@ -122,18 +129,18 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
   if (path == FP8_CUDA_PATH_AUTO) {
     const fp8_cuda_path chosen = auto_path(p, info->major, info->minor);
     *used = chosen;
-    error = run(chosen, p, device, info, stream, &unsupported);
+    error = run(chosen, p, device, info, stream, workspace, &unsupported);
     if (!unsupported) return error;
     // cuBLASLt declined at run time (no algorithm, or no outer-vector scales here).
     *used = p->m <= kSkinnyMaxTokens ? FP8_CUDA_PATH_GEMV : FP8_CUDA_PATH_GEMM;
-    return run(*used, p, device, info, stream, &unsupported);
+    return run(*used, p, device, info, stream, workspace, &unsupported);
   }
   if (const char* refusal = fp8_cuda_path_refusal(path, p, info->major, info->minor)) {
     return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
                                fp8_cuda_path_name(path), info->major, info->minor, refusal);
   }
   *used = path;
-  error = run(path, p, device, info, stream, &unsupported);
+  error = run(path, p, device, info, stream, workspace, &unsupported);
   if (unsupported) {
     const std::string reason = error;  // error_text reuses the buffer `error` points into
     return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call: %s", fp8_cuda_path_name(path),
