@@ -15,13 +15,39 @@ CUBLAS_HEADERS := $(VENV)/cublas-headers
 BUILD_STAMP := $(VENV)/.fp8linear-build
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test bench install deps clean
+.PHONY: demo test bench install deps clean sanitize
 
 demo: install
 	$(PY) -m fp8linear demo
 
+# The test suite, then the kernel tests again under AddressSanitizer and UBSan
+# (make sanitize: 2-4 minutes more on 2 cores, most of it the build; SANITIZE=0 leaves it out).
+SANITIZE ?= 1
+
 test: install $(CUBLAS_STAMP)
 	FP8LINEAR_CUBLAS_INCLUDE=$(abspath $(CUBLAS_HEADERS))/nvidia/cu13/include $(PY) -m pytest -q
+	if [ "$(SANITIZE)" != 0 ]; then $(MAKE) --no-print-directory sanitize; fi
+
+# The CPU kernels and bindings built with -fsanitize=address,undefined into build/sanitize/
+# (never the in-tree fp8linear/_C*.so), and the tests that run kernels, every CPU variant,
+# against that build with the ASan runtime preloaded (scripts/sanitize.sh). Any
+# out-of-bounds access, use after free or undefined behaviour in our C code fails the run.
+# tests/test_guard_pages.py catches over-reads ASan can't see (masked and AMX tile loads).
+SANITIZE_DIR := build/sanitize
+SANITIZE_STAMP := $(SANITIZE_DIR)/.fp8linear-build
+SANITIZE_TESTS := tests/test_sanitize_build.py tests/test_scaled_mm.py tests/test_quantize.py tests/test_amx.py \
+                  tests/test_fp8_format.py tests/test_backend.py tests/test_linear.py tests/test_guard_pages.py \
+                  tests/test_properties.py
+# more hypothesis examples per property than the normal suite (1000 and 500)
+SANITIZE_EXAMPLES ?= 5000
+
+sanitize: $(SANITIZE_STAMP)
+	FP8LINEAR_PROPERTY_EXAMPLES=$(SANITIZE_EXAMPLES) sh scripts/sanitize.sh $(PY) $(SANITIZE_DIR)/lib -q $(SANITIZE_TESTS)
+
+$(SANITIZE_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
+	FP8LINEAR_SANITIZE=1 FP8LINEAR_CUDA=0 $(PY) setup.py -q build_ext --force \
+	  --build-temp $(SANITIZE_DIR)/tmp --build-lib $(SANITIZE_DIR)/lib
+	touch $@
 
 # The CPU benchmark (3-4 minutes on 2 cores): benchmarks/results/cpu-FAMILY.md and .png,
 # one pair per CPU family (cpu-amd-zen, cpu-intel-amx, ...).

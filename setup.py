@@ -1,7 +1,9 @@
 """Build of fp8linear._C: the CPU kernels always, the CUDA kernels when torch has
 CUDA and nvcc is found (no GPU needed to build). Set FP8LINEAR_CUDA=0 to build
 without CUDA, FP8LINEAR_CUDA=1 to fail loudly if it can't be built, FP8LINEAR_NINJA=1
-to compile in parallel with ninja (MAX_JOBS at a time).
+to compile in parallel with ninja (MAX_JOBS at a time), FP8LINEAR_SANITIZE=1 to
+instrument the CPU kernels and bindings with AddressSanitizer and UndefinedBehaviorSanitizer
+(for `make sanitize`, which builds into build/sanitize/, never in place).
 
 torch must already be installed: pip install --no-build-isolation .
 """
@@ -10,14 +12,38 @@ import os
 import sys
 
 from setuptools import setup
-from torch.utils import cpp_extension
+
+try:
+    from torch.utils import cpp_extension
+except ImportError as error:  # torch missing (or broken): say how to get a working build
+    sys.exit(
+        f"fp8linear: building needs PyTorch installed first ({type(error).__name__}: {error}).\n"
+        "The extension is compiled against the torch that is already installed, so install it, then build\n"
+        "without build isolation (an isolated build environment has no torch):\n"
+        "    pip install torch    # (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)\n"
+        "    pip install --no-build-isolation .\n"
+        "or run `make install`, which does both in .venv."
+    )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CUDA_ARCHS = "8.0;8.9;9.0a"
+# sm_80 (A100: 16-bit tensor cores, fp8 widened), sm_89 (Ada: fp8 tensor cores) with its
+# PTX embedded, which the driver compiles for GPUs newer than the build knows (sm_100,
+# sm_120: without it they would find no kernel image), and sm_90a (Hopper).
+DEFAULT_CUDA_ARCHS = "8.0;8.9+PTX;9.0a"
 
 
 def sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def sanitize_wanted():
+    return os.environ.get("FP8LINEAR_SANITIZE", "0").lower() in ("1", "on", "true", "yes")
+
+
+# AddressSanitizer + UndefinedBehaviorSanitizer (CPU only): -O1 -g for readable reports,
+# and undefined behaviour stops the run instead of printing a line and going on.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined",
+                  "-O1", "-g"]
 
 
 def cuda_wanted():
@@ -25,6 +51,10 @@ def cuda_wanted():
     setting = os.environ.get("FP8LINEAR_CUDA", "auto").lower()
     if setting in ("0", "off", "false", "no"):
         return False, "FP8LINEAR_CUDA=0"
+    if sanitize_wanted():
+        if setting in ("1", "on", "true", "yes"):
+            sys.exit("fp8linear: FP8LINEAR_SANITIZE=1 instruments the CPU kernels only; it can't build CUDA")
+        return False, "FP8LINEAR_SANITIZE=1 builds the CPU kernels only"
     import torch
 
     missing = []
@@ -108,8 +138,14 @@ def extension():
             libraries=[] if cublaslt_link else ["cublasLt"],
             extra_link_args=cublaslt_link,
         )
+    link_flags = []
+    if sanitize_wanted():
+        cxx_flags = cxx_flags + SANITIZE_FLAGS  # the later -O1 wins over -O3
+        link_flags = ["-fsanitize=address,undefined"]
+        reason += "; instrumented with -fsanitize=address,undefined"
     print(f"fp8linear: building CPU kernels only (no CUDA: {reason})", flush=True)
-    return cpp_extension.CppExtension("fp8linear._C", cpu_sources, extra_compile_args={"cxx": cxx_flags})
+    return cpp_extension.CppExtension("fp8linear._C", cpu_sources, extra_compile_args={"cxx": cxx_flags},
+                                      extra_link_args=link_flags)
 
 
 # FP8LINEAR_NINJA=1 builds with ninja, MAX_JOBS files at a time (benchmarks/gpu_check.sh:
