@@ -81,18 +81,6 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
-/* K-blocked calls: scale_a(m, kb) of 16 activation rows from m0 (0 past M: padding rows). */
-BF16_TARGET ALWAYS_INLINE __m512 block_scale_a16(const fp8_scaled_mm_params* p, int64_t m0, int64_t kb) {
-  float values[16] __attribute__((aligned(64)));
-  for (int i = 0; i < 16; ++i) {
-    const int64_t m = m0 + i;
-    values[i] = m >= p->m ? 0.0f
-                : p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb]
-                                     : p->scale_a[p->scale_a_per_row ? m : 0];
-  }
-  return _mm512_load_ps(values);
-}
-
 /* K-blocked calls: scale_b(kb, n) (n past N: any valid one; its outputs are not stored). */
 ALWAYS_INLINE float block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
   if (n >= p->n) n = p->n - 1;
@@ -286,7 +274,7 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
   }
   if (blocked) {
     for (int v = 0; v < VECTORS; ++v) {
-      const __m512 scale_a = block_scale_a16(p, m_first + v * TILE_LANES, kb);
+      const __m512 scale_a = fp8_block_scale_a16(p, m_first + v * TILE_LANES, kb);
       for (int j = 0; j < COLS; ++j) {
         const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n_first + j, kb)));
         float* at = sums + j * sums_stride + v * TILE_LANES;
@@ -502,7 +490,7 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
       }
       if (blocked && ((k0 + SKINNY_STEP) % FP8_SCALE_BLOCK == 0 || k0 + SKINNY_STEP >= kp)) {
         const int64_t kb = k0 / FP8_SCALE_BLOCK;
-        const __m512 scale_a = block_scale_a16(p, m_begin, kb);
+        const __m512 scale_a = fp8_block_scale_a16(p, m_begin, kb);
         for (int j = 0; j < SKINNY_COLS; ++j) {
           const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n0 + j, kb)));
           float* at = sums + j * TILE_LANES;
