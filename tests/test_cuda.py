@@ -498,14 +498,22 @@ def test_fp8linear_on_cuda_matches_cpu():
 
 # ---- block-wise scales -----------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [(5, 300), (2, 3, 257), (1, 128), (7, 1)])
+# whole groups per row (the per-row kernels) and partial ones (ATen operations)
+@pytest.mark.parametrize("shape", [(5, 300), (2, 3, 257), (1, 128), (7, 1), (4, 512), (2, 3, 256), (300, 4096)])
 @pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
 def test_quantize_groups(shape, x_dtype):
     x = _data(shape, x_dtype).cuda()
     q, s = fp8linear.quantize_fp8(x, granularity="group")
     q_ref, s_ref = reference.quantize_fp8(x.cpu(), granularity="group")
-    assert torch.equal(s.cpu(), s_ref)
+    assert s.shape == s_ref.shape and torch.equal(s.cpu(), s_ref)
     assert_same_fp8(q.cpu(), q_ref)
+    static = s_ref.cuda() * 2
+    q, s = fp8linear.quantize_fp8(x, static, granularity="group")
+    assert torch.equal(s, static) and s.data_ptr() != static.data_ptr()
+    assert_same_fp8(q.cpu(), reference.quantize_fp8(x.cpu(), static.cpu(), granularity="group")[0])
+    strided = x.transpose(-1, -2) if x.dim() >= 2 else x
+    q, s = fp8linear.quantize_fp8(strided, granularity="group")
+    assert_same_fp8(q.cpu(), reference.quantize_fp8(strided.cpu(), granularity="group")[0])
 
 
 @pytest.mark.parametrize("shape", [(300, 260), (576, 1536), (129, 1)])

@@ -77,9 +77,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   return {q, row_scales};
 }
 
-// Block and group scales on CUDA, in ATen operations that are the reference's arithmetic
-// (amax of the finite |x| per block, the scale rule in double, a true division, clamp,
-// one rounding): exact, though not yet a fused kernel.
+// Block and group scales on CUDA: groups of a contiguous x with whole groups per row run
+// the per-row kernels; everything else (weight blocks, partial groups, strided x) runs
+// as ATen operations that are the reference's arithmetic (amax of the finite |x| per
+// block, the scale rule in double, a true division, clamp, one rounding): exact, though
+// not a fused kernel.
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x, const std::optional<at::Tensor>& scale,
                                                             at::ScalarType dtype, int64_t block_rows,
                                                             int64_t block_cols) {
@@ -87,6 +89,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x,
   check_cuda(x, "x");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const c10::cuda::CUDAGuard guard(x.device());
+  // Groups of a contiguous x whose rows are whole groups are the rows of x viewed as
+  // [numel / group, group]: the per-row kernels, one launch, the same rule per group.
+  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0) {
+    const std::optional<at::Tensor> row_scale =
+        scale.has_value() ? std::optional<at::Tensor>(scale->reshape({-1, 1})) : std::nullopt;
+    auto [q, scales] = quantize_fp8_cuda(x.view({-1, block_cols}), row_scale, dtype, true);
+    return {q.view(x.sizes()), scales.view(scale_shape)};
+  }
   const double fmax = fp8_format_max(format);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   if (x.numel() == 0) {
