@@ -31,9 +31,9 @@ from torch import nn
 
 from ._progress import progress_bar
 from .calibration import CalibrationReport, calibrate, text_batches
-from .checkpoint import (CONFIG_NAME, COMPRESSED_TENSORS_FORMAT_VERSION, INDEX_NAME, checkpoint_files,
-                         load_quantized, model_skeleton, open_safetensors, read_config, read_header, read_headers,
-                         write_index, write_safetensors)
+from .checkpoint import COMPRESSED_TENSORS_FORMAT_VERSION, load_quantized
+from .checkpoint_files import (CONFIG_NAME, INDEX_NAME, checkpoint_files, model_skeleton, open_safetensors,
+                               read_config, read_header, read_headers, write_index, write_safetensors)
 from .convert import SCHEMES, skip_reason
 from .formats import compressed_tensors_config
 from .linear import FP8Config, FP8Linear

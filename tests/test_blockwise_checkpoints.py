@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fp8linear
-from fp8linear.checkpoint import model_skeleton
+from fp8linear.checkpoint_files import model_skeleton
 from test_checkpoint import RecordFloatCopies
 from tiny_models import fp8_layers, logits, relative_error, tiny_llama, token_ids
 

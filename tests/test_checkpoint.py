@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8linear
 from fp8linear import FP8Linear
-from fp8linear.checkpoint import model_skeleton, read_headers
+from fp8linear.checkpoint_files import model_skeleton, read_headers
 from tiny_models import fp8_layers, logits, relative_error, same_state, tiny_llama, tiny_tokenizer, token_ids
 
 SCHEMES = list(fp8linear.SCHEMES)

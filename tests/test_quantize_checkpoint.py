@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 import fp8linear
 from fp8linear.__main__ import main
 from fp8linear.calibration import text_batches
-from fp8linear.checkpoint import model_skeleton, read_headers
+from fp8linear.checkpoint_files import model_skeleton, read_headers
 from tiny_models import english_text, fp8_layers, logits, same_state, tiny_llama, tiny_tokenizer, token_ids
 
 

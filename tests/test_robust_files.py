@@ -11,7 +11,7 @@ from torch import nn
 
 import fp8linear
 import fp8linear.checkpoint as checkpoint_module
-from fp8linear.checkpoint import read_config, read_header, read_headers
+from fp8linear.checkpoint_files import read_config, read_header, read_headers
 from tiny_models import tiny_llama
 
 F32_PAIR = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
