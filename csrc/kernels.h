@@ -139,12 +139,16 @@ uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
 /* Whether either scale varies along K (block-wise scaling). */
 static inline int fp8_k_blocked(const fp8_scaled_mm_params* p) { return p->scale_a_blocked || p->scale_b_blocked; }
 
-/* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call (kb: the block of 128 k). */
+/* scale_b(kb, n) of a K-blocked call (kb: the block of 128 k; 0 <= n < N). */
+static inline float fp8_k_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
+  return p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
+                            : p->scale_b[p->scale_b_per_col ? n : 0];
+}
+
+/* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call. */
 static inline float fp8_k_block_scale(const fp8_scaled_mm_params* p, int64_t m, int64_t n, int64_t kb) {
   const float a = p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb] : p->scale_a[p->scale_a_per_row ? m : 0];
-  const float b = p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
-                                     : p->scale_b[p->scale_b_per_col ? n : 0];
-  return a * b;
+  return a * fp8_k_block_scale_b(p, n, kb);
 }
 
 #ifdef __cplusplus

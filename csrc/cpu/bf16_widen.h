@@ -92,4 +92,10 @@ BF16_TARGET ALWAYS_INLINE __m512 fp8_block_scale_a16(const fp8_scaled_mm_params*
   return _mm512_maskz_mov_ps(mask, _mm512_set1_ps(p->scale_a[0]));
 }
 
+/* scale_b(kb, n) for a weight row of a tile, which may lie past N (padding rows: any
+ * valid scale, their outputs are never stored). */
+ALWAYS_INLINE float fp8_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
+  return fp8_k_block_scale_b(p, n < p->n ? n : p->n - 1, kb);
+}
+
 #endif

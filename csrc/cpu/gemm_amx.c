@@ -58,14 +58,11 @@ enum {
  * the kernels build once per panel or call, not per tile). Rows past M get scale 0. */
 BF16_TARGET ALWAYS_INLINE void add_scaled_block(const fp8_scaled_mm_params* p, const float* tile, float* sums,
                                                 int64_t n0, __m512 scale_a, int64_t kb, int first) {
-  const float scale_b = p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n0 / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
-                                           : p->scale_b[p->scale_b_per_col ? (n0 < p->n ? n0 : 0) : 0];
-  const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(scale_b));
+  const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
   for (int j = 0; j < 16; ++j) {
-    /* a per-column scale_b (the other scale blocked) differs per weight row */
-    const __m512 row_scale = p->scale_b_per_col && !p->scale_b_blocked
-                                 ? _mm512_mul_ps(scale_a, _mm512_set1_ps(p->scale_b[n0 + j < p->n ? n0 + j : 0]))
-                                 : scale;
+    /* a per-column scale_b (scale_a blocked) differs per weight row */
+    const __m512 row_scale =
+        p->scale_b_per_col ? _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb))) : scale;
     const __m512 value = _mm512_load_ps(tile + j * 16);
     _mm512_store_ps(sums + j * 16, first ? _mm512_mul_ps(value, row_scale)
                                          : _mm512_fmadd_ps(value, row_scale, _mm512_load_ps(sums + j * 16)));
@@ -333,7 +330,10 @@ enum {
   AMX_STREAM_STEP = 64,      /* k per step: one cache line of each row */
   AMX_STREAM_MAX_ROWS = FP8_AMX_STREAM_MAX_ROWS, /* activation rows: 4 groups of 16 */
   AMX_STREAM_PREFETCH = 256, /* bytes ahead in each row, into L1 */
-  AMX_STREAM_BUFFERS = 2     /* widened steps: this one and the next (a third one measured no faster) */
+  AMX_STREAM_BUFFERS = 2,    /* widened steps: this one and the next (a third one measured no faster) */
+  /* its scratch: up to 4 KiB to place the buffers, 2 x 2 KiB of them, 4 KiB of sums and
+   * 4 KiB of block-wise totals; then the block-wise scale_a table */
+  AMX_STREAM_SCRATCH_BYTES = 4 * 4096
 };
 
 /* One step of the stream kernel: 64 codes of each of the 16 weight rows from `src`
@@ -402,7 +402,7 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
   float* totals = sums + 4 * tile_floats;
   /* and scale_a of every (block of 128 k, row group), built once per call (4096 x 4096,
    * M = 64: 1.19x the per-channel time when built at every flush) */
-  __m512* scale_table = (__m512*)(scratch + 4 * 4096);
+  __m512* scale_table = (__m512*)(scratch + AMX_STREAM_SCRATCH_BYTES);
   if (blocked)
     for (int64_t kb = 0; kb * FP8_SCALE_BLOCK < kp; ++kb)
       for (int64_t group = 0; group < groups; ++group)
@@ -531,7 +531,7 @@ static int64_t stream_scale_table_bytes(const fp8_cpu_mm_plan* plan) {
 }
 
 static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
-  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? 4 * 4096 + stream_scale_table_bytes(plan)
+  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? AMX_STREAM_SCRATCH_BYTES + stream_scale_table_bytes(plan)
                                                : 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
 }
 

@@ -81,13 +81,6 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
-/* K-blocked calls: scale_b(kb, n) (n past N: any valid one; its outputs are not stored). */
-ALWAYS_INLINE float block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
-  if (n >= p->n) n = p->n - 1;
-  return p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
-                            : p->scale_b[p->scale_b_per_col ? n : 0];
-}
-
 /* ---- dot kernel (small M) -------------------------------------------------- */
 
 /* ROWS activation rows x COLS weight rows, over all of K: ROWS * COLS float32
@@ -276,7 +269,7 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
     for (int v = 0; v < VECTORS; ++v) {
       const __m512 scale_a = fp8_block_scale_a16(p, m_first + v * TILE_LANES, kb);
       for (int j = 0; j < COLS; ++j) {
-        const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n_first + j, kb)));
+        const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n_first + j, kb)));
         float* at = sums + j * sums_stride + v * TILE_LANES;
         _mm512_storeu_ps(at, first ? _mm512_mul_ps(acc[v][j], scale) : _mm512_fmadd_ps(acc[v][j], scale, _mm512_loadu_ps(at)));
       }
@@ -492,7 +485,7 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
         const int64_t kb = k0 / FP8_SCALE_BLOCK;
         const __m512 scale_a = fp8_block_scale_a16(p, m_begin, kb);
         for (int j = 0; j < SKINNY_COLS; ++j) {
-          const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(block_scale_b(p, n0 + j, kb)));
+          const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
           float* at = sums + j * TILE_LANES;
           _mm512_store_ps(at, k0 < FP8_SCALE_BLOCK ? _mm512_mul_ps(acc[j], scale) : _mm512_fmadd_ps(acc[j], scale, _mm512_load_ps(at)));
           acc[j] = _mm512_setzero_ps();
