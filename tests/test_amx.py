@@ -82,17 +82,21 @@ def test_amx_refused_where_unusable():
 
 
 # Each sub-kernel and its edges: M = 1 and small M * N * K keep the dot kernel; M <= 64 is
-# the stream kernel (1-4 groups of 16 rows); larger M the panel kernel (row chunks of 512,
-# weight-row blocks of 512, panels of 64 rows x 256 k).
+# the stream kernel (1-4 groups of 16 rows); larger M the full-K kernel up to K = 2048
+# (panels of 32 rows, row chunks of 512 rows or 1 MiB of packed K: 256 rows at K = 2000)
+# and the panel kernel above (row chunks of 512, weight-row blocks of 512, panels of
+# 64 rows x 256 k).
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 32, 33, 48, 49, 64, 65, 100, 513])
-@pytest.mark.parametrize("k, n", [(1, 17), (63, 70), (130, 33), (576, 65), (1025, 9)])
+@pytest.mark.parametrize("k, n", [(1, 17), (63, 70), (130, 33), (576, 65), (1025, 9), (2000, 33), (2049, 20)])
 def test_sub_kernels_and_tails(m, k, n, amx_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("m, k, n", [(20, 300, 1100), (70, 520, 530), (600, 64, 130)])
+@pytest.mark.parametrize("m, k, n", [(20, 300, 1100), (70, 520, 530), (600, 64, 130), (70, 2100, 530),
+                                     (600, 2100, 70)])
 def test_column_blocks_row_chunks_and_k_blocks(m, k, n, amx_variant):
-    # N past one 512-row block and not a multiple of 64; K past one 256 block; M past a chunk
+    # N past one 512-row block and not a multiple of 64 or 32; K past one 256 block (the
+    # panel kernel: K > 2048); M past a chunk
     _check(*_operands(m, k, n))
 
 

@@ -14,7 +14,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # partial edge blocks, one block, exactly two, and M from decode to GEMM sizes
 # (on AMX: the dot kernel to M = 4, the stream kernel with 1-4 groups of 16 rows, the panel kernel)
 SHAPES = [(1, 300, 260), (2, 128, 129), (5, 129, 128), (9, 513, 70), (16, 256, 17), (24, 300, 140), (33, 1, 200),
-          (64, 260, 130), (70, 700, 300), (600, 300, 200)]
+          (64, 260, 130), (70, 700, 300), (600, 300, 200),
+          # AMX: the full-K kernel over row chunks of 256 (K = 2000), the panel kernel (K > 2048)
+          (300, 2000, 40), (100, 2200, 70)]
 
 
 def values(shape, dtype=torch.float32):

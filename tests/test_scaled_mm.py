@@ -133,12 +133,16 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("m", [7, 9, 40])  # the dot (M <= 8), skinny (9..16) and tile kernels
-def test_weight_only_float_activations(m, cpu_variant):
-    x = torch.randn(m, 77)
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(33, 77))
+@pytest.mark.parametrize("m", [7, 9, 40, 90])  # the dot (M <= 8), skinny (9..16) and tile kernels
+# (K mod 64 = 13, 36, 32: rows widened 64 k at a time, the last ones partly)
+@pytest.mark.parametrize("k", [77, 100, 96])
+@pytest.mark.parametrize("strided", [False, True])
+def test_weight_only_float_activations(m, k, strided, cpu_variant):
+    x = torch.randn(k, m).t() if strided else torch.randn(m, k)
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(33, k))
     for dtype in FLOAT_DTYPES:
-        xd = x.to(dtype)
+        xd = x.to(dtype) if not strided else x.t().to(dtype).t()
+        assert xd.is_contiguous() != strided
         out = fp8linear.scaled_mm(xd, w.t(), torch.ones(()), scale_w, out_dtype=dtype)
         exact = xd.double() @ (w.double() * scale_w.double()).t()
         assert relative_error(out, exact) <= TOLERANCE[dtype]

@@ -66,10 +66,13 @@ void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, fp
                             int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols);
 
 /* The AMX kernels (gemm_amx.c): plan->variant picks the real tile instructions or
- * their C model; activations packed by fp8_bf16_prepare. Up to this many (padded) rows
- * the stream kernel runs, 16 weight rows at a time (the plan's tile_n); above, the panel
- * kernel, 64 at a time. */
-enum { FP8_AMX_STREAM_MAX_ROWS = 64 };
+ * their C model; activations packed by fp8_bf16_prepare. Up to FP8_AMX_STREAM_MAX_ROWS
+ * (padded) rows the stream kernel runs, 16 weight rows at a time (the plan's tile_n);
+ * above, 64 at a time, the full-K kernel up to a padded K of FP8_AMX_FULL_K_MAX (the C
+ * tiles kept over all of K: 4096 x 1024 at M = 2048, 2 threads, 2.21 -> 2.33 TFLOP/s;
+ * 576 x 576 2.00 -> 2.40; even at K = 1536 and 2048; slower at 4096, 2.44 -> 2.15), the
+ * panel kernel above. */
+enum { FP8_AMX_STREAM_MAX_ROWS = 64, FP8_AMX_FULL_K_MAX = 2048 };
 int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);

@@ -8,12 +8,16 @@
  * between the tile products of the current ones. A tile product gives C^T, 16 output
  * columns x 16 rows, which the AVX512-BF16 epilogue transposes on its way out.
  *
- * Two kernels, by M (the dot kernel of gemm_avx512_bf16.c keeps M = 1, see gemm.c):
+ * Three kernels, by M and K (the dot kernel of gemm_avx512_bf16.c keeps M = 1, see gemm.c):
  * - the stream kernel (M <= 64): the weights are read once, from memory, 16 rows side
  *   by side over all of K; C tiles stay in registers for all of K;
- * - the panel kernel (M > 64): panels of 64 weight rows x 256 k, each used by a chunk of
- *   up to 512 activation rows, with 2 x 2 C tiles (4 tile loads per 4 tile products,
- *   the most reuse 8 tiles allow) whose sums are kept in memory between K blocks.
+ * - the full-K kernel (M > 64, K <= AMX_FULL_K_MAX): panels of 32 weight rows x all of
+ *   K, each used by a chunk of activation rows, with 2 x 2 C tiles (4 tile loads per 4
+ *   tile products, the most reuse 8 tiles allow) kept in registers for all of K, and each
+ *   32 x 32 output block finished right after its products;
+ * - the panel kernel (M > 64, larger K): panels of 64 weight rows x 256 k, each used by a
+ *   chunk of up to 512 activation rows, with 2 x 2 C tiles whose sums are kept in memory
+ *   between K blocks.
  *
  * The same kernel bodies run either on the hardware or on a C model of the tile
  * registers (the amx_emulated variant, amx_tiles.h), so that their logic is tested on
@@ -44,7 +48,10 @@ enum {
   AMX_PANEL_COLS = 64,              /* weight rows widened together: 4 A tiles tall */
   AMX_K_BLOCK = 256,                /* k per widened panel: 64 x 256 bf16 = 32 KiB */
   AMX_ROW_CHUNK = 512,              /* activation rows per sweep over the weights */
-  AMX_COL_BLOCK = 512               /* weight rows whose panels share a K block of activations */
+  AMX_COL_BLOCK = 512,              /* weight rows whose panels share a K block of activations */
+  AMX_FULL_K_COLS = 32,             /* the full-K kernel's panels: 2 A tiles tall, all of K */
+  AMX_FULL_K_MAX = FP8_AMX_FULL_K_MAX, /* up to this (padded) K */
+  AMX_FULL_K_CHUNK_BYTES = 1 << 20  /* packed activations per row chunk of the full-K kernel: half of L2 */
 };
 
 /* ---- block-wise scales ------------------------------------------------------- */
@@ -90,6 +97,7 @@ typedef struct {
   int64_t steps;         /* k_block / 32: tiles per row group */
   int64_t col, unit;     /* the next unit: panel row, and 64-code unit within it */
   int64_t cols;          /* rows of the panel that exist (the others, up to its height, are zero) */
+  int64_t height;        /* rows of the panel: AMX_PANEL_COLS, or AMX_FULL_K_COLS for the full-K kernel */
   int64_t left;          /* units still to widen */
   uint16_t* panel;
 } panel_widener;
@@ -99,7 +107,7 @@ ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
 }
 
 static panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols, int64_t k0,
-                                      int64_t k_block, uint16_t* panel) {
+                                      int64_t k_block, uint16_t* panel, int64_t height) {
   panel_widener w;
   w.src = p->b + n0 * p->b_col_stride + k0;
   w.b_col_stride = p->b_col_stride;
@@ -108,7 +116,8 @@ static panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0,
   w.steps = k_block / AMX_K;
   w.col = w.unit = 0;
   w.cols = cols;
-  w.left = AMX_PANEL_COLS * w.units_per_row;
+  w.height = height;
+  w.left = height * w.units_per_row;
   w.panel = panel;
   w.dest = panel_row(panel, w.steps, 0);
   return w;
@@ -124,7 +133,7 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
        * hardware prefetchers follow, and the same row's next K block, which the tile
        * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
        * one core: 26.1 -> 24.8 ms) */
-      _mm_prefetch(address_at(w->src, AMX_PANEL_COLS * w->b_col_stride), _MM_HINT_T1);
+      _mm_prefetch(address_at(w->src, w->height * w->b_col_stride), _MM_HINT_T1);
       __m512i out0, out1;
       widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), w->src), &out0, &out1);
       _mm512_store_si512(w->dest, out0);
@@ -271,7 +280,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
 #define PANEL_COLS_AT(n0) (n_end - (n0) < AMX_PANEL_COLS ? n_end - (n0) : AMX_PANEL_COLS)
 #define K_BLOCK_AT(k0) (kp - (k0) < k_block ? kp - (k0) : k_block) /* a multiple of 64 */
   panel_position at = {n_begin, 0, n_begin};
-  panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0]);
+  panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0], AMX_PANEL_COLS);
   widen_units(&next, &t, next.left);
   for (int current = 0; at.n0 < n_end; current ^= 1) {
     const int64_t n0 = at.n0, k0 = at.k0, cols = PANEL_COLS_AT(n0);
@@ -281,7 +290,8 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
     float* panel_sums = sums + (n0 - at.block_n0) / AMX_ROWS * layout.col_group;
     at = next_panel(at, n_end, kp, k_block);
     if (at.n0 < n_end) {
-      next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), at.k0, K_BLOCK_AT(at.k0), panels[current ^ 1]);
+      next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), at.k0, K_BLOCK_AT(at.k0), panels[current ^ 1],
+                              AMX_PANEL_COLS);
     } else {
       next.left = 0; /* nothing left to widen */
     }
@@ -308,6 +318,156 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
   }
 #undef PANEL_COLS_AT
 #undef K_BLOCK_AT
+}
+
+/* ---- the full-K kernel (M > 64, K <= AMX_FULL_K_MAX) ------------------------- */
+
+/* Moderate K (SmolLM2's 576 and 1536): the C tiles stay in registers for all of K, so
+ * that no partial sums go to memory and back, and each 32 x 32 block of the output is
+ * finished (scaled, rounded, stored) right after its tile products, from L1. Panels of
+ * 32 weight rows x all of K (36 KiB at K = 576), widened while the previous one is used,
+ * each used by a chunk of activation rows whose packed K (up to 1 MiB) stays in L2.
+ * The panel kernel's 64 x 256 panels with sums in memory between K blocks ran the tile
+ * products at ~1.5-1.7 TFLOP/s per core at K = 576 in a microbenchmark of both loop
+ * orders on this Xeon, this order at ~2.0-2.2 (peak ~3.2 from L1). */
+
+/* Rows of a chunk: its packed activations (rows x K bf16) within AMX_FULL_K_CHUNK_BYTES,
+ * a multiple of 32, at least 32 and at most AMX_ROW_CHUNK. */
+static int64_t full_k_chunk_rows(int64_t k_padded) {
+  int64_t rows = AMX_FULL_K_CHUNK_BYTES / (k_padded * (int64_t)sizeof(uint16_t)) / 32 * 32;
+  if (rows < 32) rows = 32;
+  return rows < AMX_ROW_CHUNK ? rows : AMX_ROW_CHUNK;
+}
+
+/* One 32 x 32 block over all of K: C tiles 0-3 (weight-row group g, g + 1 x activation-row
+ * group r, r + 1), left in `tiles` ([weight group][activation group][16][16]); K-blocked
+ * calls sum each block of 128 k in the tiles and add it, scaled, into `totals` (same
+ * layout), whose final values are left there instead. */
+BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
+                                            const uint32_t* b1, int64_t steps, float* tiles, float* totals,
+                                            panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
+                                            const fp8_scaled_mm_params* p, int64_t n_first, const __m512* scale_rows,
+                                            int64_t scale_rows_stride, const int both_cols, const int both_rows,
+                                            const int emulated, amx_model* model) {
+  const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
+  const int blocked = fp8_k_blocked(p);
+  const int64_t steps_per_block = FP8_SCALE_BLOCK / AMX_K;
+  TILE_ZERO(0);
+  if (both_rows) TILE_ZERO(1);
+  if (both_cols) TILE_ZERO(2);
+  if (both_cols && both_rows) TILE_ZERO(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
+    TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
+    TILE_DPBF16PS(0, 4, 6);
+    if (both_rows) {
+      TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
+      TILE_DPBF16PS(1, 4, 7);
+    }
+    if (both_cols) {
+      TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
+      TILE_DPBF16PS(2, 5, 6);
+      if (both_rows) TILE_DPBF16PS(3, 5, 7);
+    }
+    widen_units(next, t, widen_per_step);
+    if (blocked && ((s + 1) % steps_per_block == 0 || s + 1 == steps)) {
+      const int64_t kb = s / steps_per_block;
+      const __m512* scales = scale_rows + kb * scale_rows_stride;
+      TILE_STORE(0, tiles, stride);
+      add_scaled_block(p, tiles, totals, n_first, scales[0], kb, kb == 0);
+      TILE_ZERO(0);
+      if (both_rows) {
+        TILE_STORE(1, tiles + tile_floats, stride);
+        add_scaled_block(p, tiles + tile_floats, totals + tile_floats, n_first, scales[1], kb, kb == 0);
+        TILE_ZERO(1);
+      }
+      if (both_cols) {
+        TILE_STORE(2, tiles + 2 * tile_floats, stride);
+        add_scaled_block(p, tiles + 2 * tile_floats, totals + 2 * tile_floats, n_first + AMX_ROWS, scales[0], kb,
+                         kb == 0);
+        TILE_ZERO(2);
+      }
+      if (both_cols && both_rows) {
+        TILE_STORE(3, tiles + 3 * tile_floats, stride);
+        add_scaled_block(p, tiles + 3 * tile_floats, totals + 3 * tile_floats, n_first + AMX_ROWS, scales[1], kb,
+                         kb == 0);
+        TILE_ZERO(3);
+      }
+    }
+  }
+  if (blocked) return;
+  TILE_STORE(0, tiles, stride);
+  if (both_rows) TILE_STORE(1, tiles + tile_floats, stride);
+  if (both_cols) TILE_STORE(2, tiles + 2 * tile_floats, stride);
+  if (both_cols && both_rows) TILE_STORE(3, tiles + 3 * tile_floats, stride);
+}
+
+#define FULL_K_BLOCK_CASES(...)                                                                 \
+  switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
+    case 3: full_k_block(__VA_ARGS__, 1, 1, emulated, model); break;                            \
+    case 2: full_k_block(__VA_ARGS__, 1, 0, emulated, model); break;                            \
+    case 1: full_k_block(__VA_ARGS__, 0, 1, emulated, model); break;                            \
+    default: full_k_block(__VA_ARGS__, 0, 0, emulated, model); break;                           \
+  }
+
+/* Rows [m_begin, m_end) (m_begin a multiple of 16) x weight rows [n_begin, n_end), in row
+ * chunks of full_k_chunk_rows; within a chunk panel by panel, each over all its rows.
+ * `scratch`: two panels, then 4 KiB of tiles, 4 KiB of totals, then (K-blocked) the
+ * chunk's scale_a table, one vector per (block of 128 k, row group). */
+BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                          const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
+                                          int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded, steps = kp / AMX_K;
+  const int64_t group_stride = (kp / 2) * AMX_ROWS;
+  const int64_t panel_bf16 = AMX_FULL_K_COLS * kp;
+  uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)scratch + panel_bf16};
+  float* tiles = (float*)(scratch + 2 * panel_bf16 * (int64_t)sizeof(uint16_t));
+  float* totals = tiles + 4 * AMX_ROWS * AMX_ROWS;
+  __m512* scale_table = (__m512*)(totals + 4 * AMX_ROWS * AMX_ROWS);
+  const int blocked = fp8_k_blocked(p);
+  const int64_t k_blocks = (kp + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+  const int64_t chunk = full_k_chunk_rows(kp);
+  const fp8_sums_layout layout = {AMX_ROWS, 2 * AMX_ROWS * AMX_ROWS, AMX_ROWS * AMX_ROWS};
+#define FULL_K_COLS_AT(n0) (n_end - (n0) < AMX_FULL_K_COLS ? n_end - (n0) : AMX_FULL_K_COLS)
+  /* panels in order: chunk by chunk, within a chunk n_begin to n_end */
+  panel_widener next = panel_widener_of(p, n_begin, FULL_K_COLS_AT(n_begin), 0, kp, panels[0], AMX_FULL_K_COLS);
+  widen_units(&next, &t, next.left);
+  int current = 0;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += chunk) {
+    const int64_t m1 = m_end - m0 < chunk ? m_end : m0 + chunk;
+    const int64_t rows = (m1 - m0 + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, row_groups = rows / AMX_ROWS;
+    const uint32_t* chunk_packed = packed + (m0 / AMX_ROWS) * group_stride;
+    /* K-blocked scales: scale_a of every (block of 128 k, row group) of the chunk, built
+     * once for all of its panels; table[kb * row_groups + group] */
+    if (blocked)
+      for (int64_t kb = 0; kb < k_blocks; ++kb)
+        for (int64_t g = 0; g < row_groups; ++g) scale_table[kb * row_groups + g] = fp8_block_scale_a16(p, m0 + g * AMX_ROWS, kb);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += AMX_FULL_K_COLS, current ^= 1) {
+      const int64_t cols = FULL_K_COLS_AT(n0);
+      const int both_cols = cols > AMX_ROWS;
+      const uint16_t* panel = panels[current];
+      /* the next panel: this chunk's next one, or the next chunk's first */
+      const int64_t next_n0 = n0 + AMX_FULL_K_COLS < n_end ? n0 + AMX_FULL_K_COLS : n_begin;
+      if (n0 + AMX_FULL_K_COLS < n_end || m1 < m_end) {
+        next = panel_widener_of(p, next_n0, FULL_K_COLS_AT(next_n0), 0, kp, panels[current ^ 1], AMX_FULL_K_COLS);
+      } else {
+        next.left = 0;
+      }
+      const int64_t total_steps = (row_groups + 1) / 2 * steps;
+      const int64_t widen_per_step = (next.left + total_steps - 1) / total_steps;
+      for (int64_t r0 = 0; r0 < rows; r0 += 2 * AMX_ROWS) {
+        const int both_rows = rows - r0 > AMX_ROWS;
+        const uint32_t* b0 = chunk_packed + (r0 / AMX_ROWS) * group_stride;
+        FULL_K_BLOCK_CASES(panel, panel + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps, tiles, totals, &next,
+                           &t, widen_per_step, p, n0, scale_table + r0 / AMX_ROWS, row_groups)
+        const int64_t block_end = m0 + r0 + 2 * AMX_ROWS < m1 ? m0 + r0 + 2 * AMX_ROWS : m1;
+        fp8_bf16_tile_epilogue(p, blocked ? totals : tiles, layout, m0 + r0, block_end, n0, cols);
+      }
+      widen_units(&next, &t, next.left); /* whatever the steps left */
+    }
+  }
+#undef FULL_K_COLS_AT
 }
 
 /* ---- the stream kernel (M <= 64) --------------------------------------------- */
@@ -530,9 +690,21 @@ static int64_t stream_scale_table_bytes(const fp8_cpu_mm_plan* plan) {
   return (plan->k_padded / FP8_SCALE_BLOCK + 1) * 4 * 64;
 }
 
+static int full_k(const fp8_cpu_mm_plan* plan) {
+  return plan->m_padded > AMX_STREAM_MAX_ROWS && plan->k_padded <= AMX_FULL_K_MAX;
+}
+
+/* The full-K kernel's scratch: two panels, 4 KiB of tiles and 4 of totals, the scale_a table. */
+static int64_t full_k_scratch_bytes(const fp8_cpu_mm_plan* plan) {
+  const int64_t k_blocks = (plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+  return 2 * AMX_FULL_K_COLS * plan->k_padded * (int64_t)sizeof(uint16_t) + 2 * AMX_BLOCK_TILES_BYTES +
+         full_k_chunk_rows(plan->k_padded) / AMX_ROWS * k_blocks * 64;
+}
+
 static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
-  return plan->m_padded <= AMX_STREAM_MAX_ROWS ? AMX_STREAM_SCRATCH_BYTES + stream_scale_table_bytes(plan)
-                                               : 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
+  if (plan->m_padded <= AMX_STREAM_MAX_ROWS) return AMX_STREAM_SCRATCH_BYTES + stream_scale_table_bytes(plan);
+  if (full_k(plan)) return full_k_scratch_bytes(plan);
+  return 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
 }
 
 int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan) {
@@ -547,6 +719,10 @@ BF16_TARGET ALWAYS_INLINE void amx_compute(const fp8_scaled_mm_params* p, const 
                                            int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
   if (plan->m_padded <= AMX_STREAM_MAX_ROWS) {
     amx_stream(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, emulated, model);
+    return;
+  }
+  if (full_k(plan)) {
+    amx_full_k(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, emulated, model);
     return;
   }
   uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)(scratch + AMX_PANEL_BYTES)};

@@ -53,7 +53,16 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
   for (int64_t k0 = 0; k0 < k_padded; k0 += 64) {
     const int64_t count = k - k0 < 0 ? 0 : k - k0;
     __m512i out0, out1;
-    if (p->a_is_float) { /* bf16 activations (weight-only): exact, only reordered */
+    if (p->a_is_float && p->a_col_stride == 1) { /* bf16 activations (weight-only): exact, only reordered */
+      /* (element by element, this loop took 40% more time than the whole fp8 layer: 576 x 576,
+       * M = 2048, AMX, one core) */
+      const uint16_t* row = (const uint16_t*)p->a + m * p->a_row_stride + k0;
+      const __m512i low = _mm512_maskz_loadu_epi16(count >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << count) - 1u), row);
+      const __m512i high = count <= 32 ? _mm512_setzero_si512()
+                           : _mm512_maskz_loadu_epi16(count >= 64 ? ~(__mmask32)0 : (__mmask32)((1u << (count - 32)) - 1u),
+                                                      row + 32);
+      permute64_bf16(low, high, &out0, &out1);
+    } else if (p->a_is_float) {
       const uint16_t* row = (const uint16_t*)p->a + m * p->a_row_stride;
       uint16_t chunk[64] __attribute__((aligned(64)));
       for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
