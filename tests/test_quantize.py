@@ -42,6 +42,46 @@ def test_every_bf16_value(dtype, scale, cpu_variant):
     _assert_matches_reference(x, None if scale is None else torch.tensor(scale), dtype=dtype)
 
 
+def _scale_sweep():
+    # powers of two on both sides of the table kernel's range (2^-84 .. 2^100), the values
+    # just below them (mantissa all ones), the dynamic floors, and log-uniform scales
+    powers = [2.0**e for e in (-100, -85, -84, -83, -17, -1, 0, 1, 99, 100, 101, 110)]
+    below = [torch.nextafter(torch.tensor(p), torch.tensor(0.0)).item() for p in powers]
+    floors = [1 / (448 * 512), 1 / (57344 * 512)]
+    generator = torch.Generator().manual_seed(1)
+    spread = torch.exp2(torch.empty(40).uniform_(-90, 105, generator=generator)).tolist()
+    return powers + below + floors + spread
+
+
+def _every_bf16_value():
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_every_bf16_value_over_many_scales(dtype, cpu_variant):
+    # the bf16 table kernel (csrc/cpu/quantize_vbmi.c: avx512_bf16 and the AMX variants)
+    # builds one code table per scale, from the scale's mantissa and exponent: every bf16
+    # value against the reference over scales that vary both, and past the exponent range
+    # it takes (outside, the division kernel runs)
+    x = _every_bf16_value()
+    for scale in _scale_sweep():
+        _assert_matches_reference(x, torch.tensor(scale), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_bf16_rows_with_scales_of_their_own(dtype, cpu_variant):
+    # per-row scales: a table per row (rows of 640 >= the 512 elements that pay for one),
+    # each row a slice of all bf16 values (subnormal results, NaN, inf and zeros spread
+    # over the 32-element steps), and the rows' scales alternate, so each row's table
+    # replaces the previous row's
+    scales = torch.tensor(_scale_sweep()).repeat(2)[:100]
+    x = _every_bf16_value()[:100 * 640].reshape(100, 640)
+    _assert_matches_reference(x, scales.reshape(-1, 1), dtype=dtype, granularity="row")
+    # and groups of 128 (shorter than a table is worth: the division kernel)
+    _assert_matches_reference(x, dtype=dtype, granularity="group")
+
+
 @pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 def test_static_scale_matches_reference(x_dtype, dtype, cpu_variant):

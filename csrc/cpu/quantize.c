@@ -35,7 +35,8 @@ static fp8_span_quantize_fn pick_quantize(void) {
   switch (fp8_cpu_active_variant()) {
     case FP8_CPU_SCALAR: return fp8_span_quantize_scalar;
     case FP8_CPU_AVX2: return fp8_span_quantize_avx2;
-    default: return fp8_span_quantize_avx512;
+    case FP8_CPU_AVX512: return fp8_span_quantize_avx512;
+    default: return fp8_span_quantize_vbmi; /* avx512_bf16 and the AMX variants have VBMI */
   }
 }
 

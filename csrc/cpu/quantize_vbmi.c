@@ -1,0 +1,127 @@
+/* quantize_fp8 of bf16 inputs by table (AVX-512 + VBMI: the variants from avx512_bf16 up).
+ *
+ * x / scale splits into a power of two and a mantissa quotient: with x = 2^(ex - 127) * mx
+ * and scale = 2^(es - 127) * ms (mx, ms in [1, 2)), x / scale = 2^(ex - es) * (mx / ms),
+ * and, as long as the quotient is a normal float32, rounding it to float32 commutes with
+ * the power of two: RN32(x / scale) = 2^(ex - es) * RN32(mx / ms). A bf16 has 7 mantissa
+ * bits, so RN32(mx / ms) takes one of 128 values per scale; rounding 2^D * q to an fp8
+ * normal number rounds q's mantissa at the format's width, and the code is
+ *
+ *   code = (D + bias) * 2^mb + N[m],  N[m] = rne((q - 1) * 2^mb)         for q >= 1,
+ *                                          rne((2q - 1) * 2^mb) - 2^mb   for q < 1,
+ *
+ * (mb = 3 mantissa bits for e4m3fn, 2 for e5m2; N[m] = 2^mb is the carry into the next
+ * binade). One 128-entry byte table per scale (vpermi2b), built with true float32
+ * divisions, so every code is the one rne(x / scale) gives: bit-exact with the
+ * division kernel, checked for all 65536 bf16 values over 5000 scales of both formats.
+ *
+ * The formula holds for fp8 normal results; codes above the largest finite saturate
+ * (inf too); NaN keeps 0x7F; zeros and bf16 subnormals give 0 (|x / scale| <= 2^-42 for
+ * the scales taken here). A 32-element step with any result in or near the fp8 subnormal
+ * range (code in [-mb * 2^mb, 2^mb], values ~2^-10..2^-6 of the scale) goes through the
+ * division kernel instead: rare in activations (~2% of steps for normal-distributed
+ * values), never wrong. Scales outside [2^-84, 2^100], where the quotient or the
+ * reciprocal could leave float32's normal range, and fp16/float32 inputs take the
+ * division kernel for the whole span.
+ *
+ * Speed (one core of the Intel Xeon with AMX, 256 Ki bf16 from L2): 0.099 ns per element,
+ * the division kernel 0.203. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+
+enum { SCALE_EXPONENT_MIN = 127 - 84, SCALE_EXPONENT_MAX = 127 + 100, FRESH_TABLE_MIN_ELEMENTS = 512 };
+
+typedef struct {
+  __m512i low, high;   /* N[m] + 2^mb for m = 0..63 and 64..127 */
+  uint32_t scale_bits; /* the scale they were built for */
+  int format, ready;
+} code_table;
+
+/* The table of `scale`; 0 if the scale is outside the range this kernel takes. */
+VBMI_TARGET static int build_table(float scale, fp8_format format, code_table* t) {
+  uint32_t bits;
+  memcpy(&bits, &scale, sizeof bits);
+  const int exponent = (int)((bits >> 23) & 0xFF);
+  if (exponent < SCALE_EXPONENT_MIN || exponent > SCALE_EXPONENT_MAX || (bits >> 31)) return 0;
+  const int mb = format == FP8_E4M3FN ? 3 : 2;
+  const __m512 step = _mm512_set1_ps((float)(1 << mb));
+  const __m512 ms = _mm512_castsi512_ps(_mm512_set1_epi32((int)((bits & 0x7FFFFFu) | (127u << 23))));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  uint8_t entries[128] __attribute__((aligned(64)));
+  for (int m0 = 0; m0 < 128; m0 += 16) {
+    const __m512i m = _mm512_add_epi32(_mm512_set1_epi32(m0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    /* mx = 1 + m / 128, exactly: the bf16 mantissa m under an exponent of 0 */
+    const __m512 mx = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(m, 16), _mm512_set1_epi32(127 << 23)));
+    const __m512 q = _mm512_div_ps(mx, ms); /* a true division: RN32(mx / ms) */
+    const __mmask16 below_one = _mm512_cmp_ps_mask(q, one, _CMP_LT_OQ);
+    /* (q - 1) or (2q - 1) is exact; times 2^mb exact; rounded to nearest even */
+    const __m512 y = _mm512_mask_sub_ps(_mm512_sub_ps(q, one), below_one, _mm512_add_ps(q, q), one);
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(y, step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* + 2^mb, - 2^mb again below one: N[m] + 2^mb in [0, 2^(mb + 1)] */
+    const __m512 entry = _mm512_mask_add_ps(_mm512_add_ps(rounded, step), below_one, rounded, _mm512_setzero_ps());
+    _mm_store_si128((__m128i*)(entries + m0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(entry)));
+  }
+  t->low = _mm512_load_si512(entries);
+  t->high = _mm512_load_si512(entries + 64);
+  t->scale_bits = bits;
+  t->format = (int)format;
+  t->ready = 1;
+  return 1;
+}
+
+VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale, uint8_t* q,
+                                        fp8_format format) {
+  /* per thread, the last scale's table: per-tensor scales build it once per call and
+   * thread, per-row scales once per row (~16 vector operations) */
+  static __thread code_table table;
+  uint32_t bits;
+  memcpy(&bits, &scale, sizeof bits);
+  if (dtype != FP8_BFLOAT16 || n < 32) {
+    fp8_span_quantize_avx512(x, dtype, n, scale, q, format);
+    return;
+  }
+  /* a new table costs about what 450 elements save: shorter spans with a scale of their
+   * own (groups of 128) keep the division kernel (groups: 0.75x its speed when they did;
+   * rows of 576: 1.13x) */
+  const int cached = table.ready && table.scale_bits == bits && table.format == (int)format;
+  if (!cached && (n < FRESH_TABLE_MIN_ELEMENTS || !build_table(scale, format, &table))) {
+    fp8_span_quantize_avx512(x, dtype, n, scale, q, format);
+    return;
+  }
+  const int mb = format == FP8_E4M3FN ? 3 : 2, bias = format == FP8_E4M3FN ? 7 : 15;
+  const int exponent = (int)((bits >> 23) & 0xFF);
+  /* code = (ex - es + bias) * 2^mb + N[m] = (ex << mb) + (N[m] + 2^mb) + offset */
+  const __m512i offset = _mm512_set1_epi16((short)((bias - exponent - 1) * (1 << mb)));
+  const __m512i exponent_mask = _mm512_set1_epi16((short)(0xFF << mb));
+  const __m512i max_code = _mm512_set1_epi16(format == FP8_E4M3FN ? FP8_E4M3FN_MAX_CODE : FP8_E5M2_MAX_CODE);
+  /* codes in [-mb * 2^mb, 2^mb]: results in the subnormal binades or their rounding
+   * edges, where the normal formula does not hold (below: under half the smallest
+   * subnormal, code 0) */
+  const __m512i subnormal_low = _mm512_set1_epi16((short)(-mb * (1 << mb)));
+  const __m512i subnormal_span = _mm512_set1_epi16((short)((1 << mb) + mb * (1 << mb)));
+  const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF), inf_bits = _mm512_set1_epi16(0x7F80);
+  const __m512i nan_code = _mm512_set1_epi16(0x7F), sign_bit = _mm512_set1_epi16(0x80);
+  const uint16_t* in = (const uint16_t*)x;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i v = _mm512_loadu_si512(in + i);
+    /* N[m] + 2^mb by the low byte of each bf16 (its 7 mantissa bits index the table),
+     * zero in the high byte */
+    const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, table.low, v, table.high);
+    __m512i code = _mm512_and_si512(_mm512_srli_epi16(v, 7 - mb), exponent_mask);
+    code = _mm512_add_epi16(_mm512_add_epi16(code, entry), offset);
+    if (_mm512_cmple_epu16_mask(_mm512_sub_epi16(code, subnormal_low), subnormal_span)) {
+      fp8_span_quantize_avx512(in + i, dtype, 32, scale, q + i, format);
+      continue;
+    }
+    code = _mm512_max_epi16(_mm512_min_epi16(code, max_code), _mm512_setzero_si512());
+    code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, magnitude_mask), inf_bits), nan_code);
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), sign_bit, 0xF8); /* code | (sign & 0x80) */
+    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi16_epi8(code));
+  }
+  if (i < n) fp8_span_quantize_avx512(in + i, dtype, n - i, scale, q + i, format);
+}
