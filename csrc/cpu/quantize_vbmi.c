@@ -17,10 +17,11 @@
  *
  * The formula holds for fp8 normal results; codes above the largest finite saturate
  * (inf too); NaN keeps 0x7F; zeros and bf16 subnormals give 0 (|x / scale| <= 2^-42 for
- * the scales taken here). A 32-element step with any result in or near the fp8 subnormal
- * range (code in [-mb * 2^mb, 2^mb], values ~2^-10..2^-6 of the scale) goes through the
- * division kernel instead: rare in activations (~2% of steps for normal-distributed
- * values), never wrong. Scales outside [2^-84, 2^100], where the quotient or the
+ * the scales taken here). Results in or near the fp8 subnormal range (the formula's code
+ * in [-mb * 2^mb, 2^mb]: the exponent field 1 or less, where the step is the subnormal
+ * one) are computed by division for the lanes concerned, in the 32-element steps that
+ * have any (common in activations with outliers: a per-tensor scale is set by the
+ * largest value). Scales outside [2^-84, 2^100], where the quotient or the
  * reciprocal could leave float32's normal range, and fp16/float32 inputs take the
  * division kernel for the whole span.
  *
@@ -73,6 +74,22 @@ VBMI_TARGET static int build_table(float scale, fp8_format format, code_table* t
   return 1;
 }
 
+/* The codes of |x / scale| below twice the smallest normal (the two binades where
+ * the fp8 step is the subnormal one), for the 32 bf16 of v, in its 16-bit lanes: by a
+ * true division and a magic-number sum that rounds to that step, as the division kernel
+ * does for its subnormals. */
+VBMI_TARGET static inline __m512i small_codes(__m512i v, __m512 divisor, __m512 magic) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512 even = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 16), magnitude));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x7FFF0000)));
+  const __m512i codes_even = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_div_ps(even, divisor), magic)),
+                                              _mm512_castps_si512(magic));
+  const __m512i codes_odd = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_div_ps(odd, divisor), magic)),
+                                             _mm512_castps_si512(magic));
+  /* (a large even lane's difference reaches past 16 bits: blend, not or) */
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, codes_even, _mm512_slli_epi32(codes_odd, 16));
+}
+
 VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale, uint8_t* q,
                                         fp8_format format) {
   /* per thread, the last scale's table: per-tensor scales build it once per call and
@@ -105,6 +122,9 @@ VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, in
   const __m512i subnormal_span = _mm512_set1_epi16((short)((1 << mb) + mb * (1 << mb)));
   const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF), inf_bits = _mm512_set1_epi16(0x7F80);
   const __m512i nan_code = _mm512_set1_epi16(0x7F), sign_bit = _mm512_set1_epi16(0x80);
+  const __m512 divisor = _mm512_set1_ps(scale);
+  /* a float32 whose ulp is the smallest subnormal: the sum rounds |x / scale| to it */
+  const __m512 magic = _mm512_castsi512_ps(_mm512_set1_epi32((127 + 1 - bias - mb + 23) << 23));
   const uint16_t* in = (const uint16_t*)x;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -114,10 +134,8 @@ VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, in
     const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, table.low, v, table.high);
     __m512i code = _mm512_and_si512(_mm512_srli_epi16(v, 7 - mb), exponent_mask);
     code = _mm512_add_epi16(_mm512_add_epi16(code, entry), offset);
-    if (_mm512_cmple_epu16_mask(_mm512_sub_epi16(code, subnormal_low), subnormal_span)) {
-      fp8_span_quantize_avx512(in + i, dtype, 32, scale, q + i, format);
-      continue;
-    }
+    const __mmask32 small = _mm512_cmple_epu16_mask(_mm512_sub_epi16(code, subnormal_low), subnormal_span);
+    if (small) code = _mm512_mask_mov_epi16(code, small, small_codes(v, divisor, magic));
     code = _mm512_max_epi16(_mm512_min_epi16(code, max_code), _mm512_setzero_si512());
     code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, magnitude_mask), inf_bits), nan_code);
     code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), sign_bit, 0xF8); /* code | (sign & 0x80) */
