@@ -19,3 +19,13 @@ def test_bench_cpu_smoke(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| smoke")]
     assert len(rows) == 4  # two shapes x two row counts
     assert (tmp_path / "cpu-smoke.png").stat().st_size > 1000
+
+
+def test_bench_e2e_smoke(tmp_path):
+    load_script("bench_e2e").main(["--smoke", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "e2e-smoke.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith(("| per-tensor |", "| per-channel |"))]
+    assert len(rows) == 2 and "fp8linear CPU kernels" in table
+    for row in rows:  # every figure a positive number
+        cells = [cell.strip().rstrip("x") for cell in row.strip("|").split("|")[1:]]
+        assert all(float(cell) > 0 for cell in cells)
