@@ -36,9 +36,11 @@
 
 enum { SCALE_EXPONENT_MIN = 127 - 84, SCALE_EXPONENT_MAX = 127 + 100, FRESH_TABLE_MIN_ELEMENTS = 512 };
 
+/* (bytes, loaded unaligned: thread-local storage of a dlopen'ed library need not honour
+ * a 64-byte alignment) */
 typedef struct {
-  __m512i low, high;   /* N[m] + 2^mb for m = 0..63 and 64..127 */
-  uint32_t scale_bits; /* the scale they were built for */
+  uint8_t entries[128]; /* N[m] + 2^mb for m = 0..127 */
+  uint32_t scale_bits;  /* the scale they were built for */
   int format, ready;
 } code_table;
 
@@ -52,7 +54,7 @@ VBMI_TARGET static int build_table(float scale, fp8_format format, code_table* t
   const __m512 step = _mm512_set1_ps((float)(1 << mb));
   const __m512 ms = _mm512_castsi512_ps(_mm512_set1_epi32((int)((bits & 0x7FFFFFu) | (127u << 23))));
   const __m512 one = _mm512_set1_ps(1.0f);
-  uint8_t entries[128] __attribute__((aligned(64)));
+  uint8_t* entries = t->entries;
   for (int m0 = 0; m0 < 128; m0 += 16) {
     const __m512i m = _mm512_add_epi32(_mm512_set1_epi32(m0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     /* mx = 1 + m / 128, exactly: the bf16 mantissa m under an exponent of 0 */
@@ -64,10 +66,8 @@ VBMI_TARGET static int build_table(float scale, fp8_format format, code_table* t
     const __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(y, step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     /* + 2^mb, - 2^mb again below one: N[m] + 2^mb in [0, 2^(mb + 1)] */
     const __m512 entry = _mm512_mask_add_ps(_mm512_add_ps(rounded, step), below_one, rounded, _mm512_setzero_ps());
-    _mm_store_si128((__m128i*)(entries + m0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(entry)));
+    _mm_storeu_si128((__m128i*)(entries + m0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(entry)));
   }
-  t->low = _mm512_load_si512(entries);
-  t->high = _mm512_load_si512(entries + 64);
   t->scale_bits = bits;
   t->format = (int)format;
   t->ready = 1;
@@ -125,13 +125,14 @@ VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, in
   const __m512 divisor = _mm512_set1_ps(scale);
   /* a float32 whose ulp is the smallest subnormal: the sum rounds |x / scale| to it */
   const __m512 magic = _mm512_castsi512_ps(_mm512_set1_epi32((127 + 1 - bias - mb + 23) << 23));
+  const __m512i table_low = _mm512_loadu_si512(table.entries), table_high = _mm512_loadu_si512(table.entries + 64);
   const uint16_t* in = (const uint16_t*)x;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m512i v = _mm512_loadu_si512(in + i);
     /* N[m] + 2^mb by the low byte of each bf16 (its 7 mantissa bits index the table),
      * zero in the high byte */
-    const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, table.low, v, table.high);
+    const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, table_low, v, table_high);
     __m512i code = _mm512_and_si512(_mm512_srli_epi16(v, 7 - mb), exponent_mask);
     code = _mm512_add_epi16(_mm512_add_epi16(code, entry), offset);
     const __mmask32 small = _mm512_cmple_epu16_mask(_mm512_sub_epi16(code, subnormal_low), subnormal_span);
