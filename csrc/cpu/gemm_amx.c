@@ -159,6 +159,51 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
 
 /* ---- the kernel body ---------------------------------------------------------- */
 
+/* One k step of 32 on the 2 x 2 block of C tiles 0-3 (those that exist: weight-row
+ * groups g, g + 1 x activation-row groups r, r + 1): A tiles 4-5 from the panels' row
+ * groups g and g + 1, B tiles 6-7 from the packed activations of groups r and r + 1. */
+BF16_TARGET ALWAYS_INLINE void tile_step(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
+                                         const uint32_t* b1, int64_t s, const int both_cols, const int both_rows,
+                                         const int emulated, amx_model* model) {
+  TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
+  TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
+  TILE_DPBF16PS(0, 4, 6);
+  if (both_rows) {
+    TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
+    TILE_DPBF16PS(1, 4, 7);
+  }
+  if (both_cols) {
+    TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
+    TILE_DPBF16PS(2, 5, 6);
+    if (both_rows) TILE_DPBF16PS(3, 5, 7);
+  }
+}
+
+/* K-blocked calls: the C tiles 0-3 that exist, one block of 128 k, stored into `tiles`
+ * (4 KiB, one 1 KiB tile each) and added with block kb's scales into their running sums
+ * s00, s01 (weight-row group g; activation-row groups r, r + 1), s10, s11 (group g + 1);
+ * scale_rows[0], [1]: scale_a of the two activation-row groups (fp8_block_scale_a16). */
+BF16_TARGET ALWAYS_INLINE void add_block_tiles(const fp8_scaled_mm_params* p, float* tiles, float* s00, float* s01,
+                                               float* s10, float* s11, int64_t n_first, const __m512* scale_rows,
+                                               int64_t kb, int first, const int both_cols, const int both_rows,
+                                               const int emulated, amx_model* model) {
+  const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
+  TILE_STORE(0, tiles, stride);
+  add_scaled_block(p, tiles, s00, n_first, scale_rows[0], kb, first);
+  if (both_rows) {
+    TILE_STORE(1, tiles + tile_floats, stride);
+    add_scaled_block(p, tiles + tile_floats, s01, n_first, scale_rows[1], kb, first);
+  }
+  if (both_cols) {
+    TILE_STORE(2, tiles + 2 * tile_floats, stride);
+    add_scaled_block(p, tiles + 2 * tile_floats, s10, n_first + AMX_ROWS, scale_rows[0], kb, first);
+  }
+  if (both_cols && both_rows) {
+    TILE_STORE(3, tiles + 3 * tile_floats, stride);
+    add_scaled_block(p, tiles + 3 * tile_floats, s11, n_first + AMX_ROWS, scale_rows[1], kb, first);
+  }
+}
+
 /* C tiles for weight-row groups g, g + 1 (if both) and activation-row groups r, r + 1
  * (if both) over one widened panel: their sums (one contiguous 1 KiB block per C tile,
  * `col_group` floats from group g to g + 1) are loaded (or zeroed for the first K
@@ -190,36 +235,12 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
     if (both_cols && both_rows) TILE_LOAD(3, s11, sums_stride);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
-    TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
-    TILE_DPBF16PS(0, 4, 6);
-    if (both_rows) {
-      TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
-      TILE_DPBF16PS(1, 4, 7);
-    }
-    if (both_cols) {
-      TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
-      TILE_DPBF16PS(2, 5, 6);
-      if (both_rows) TILE_DPBF16PS(3, 5, 7);
-    }
+    tile_step(panel_g, panel_g1, b0, b1, s, both_cols, both_rows, emulated, model);
     widen_units(next, t, widen_per_step);
   }
   if (blocked) {
-    const int64_t tile_floats = AMX_ROWS * AMX_ROWS;
-    TILE_STORE(0, block_tiles, sums_stride);
-    add_scaled_block(p, block_tiles, s00, n_first, scale_rows[0], kb, first);
-    if (both_rows) {
-      TILE_STORE(1, block_tiles + tile_floats, sums_stride);
-      add_scaled_block(p, block_tiles + tile_floats, s01, n_first, scale_rows[1], kb, first);
-    }
-    if (both_cols) {
-      TILE_STORE(2, block_tiles + 2 * tile_floats, sums_stride);
-      add_scaled_block(p, block_tiles + 2 * tile_floats, s10, n_first + AMX_ROWS, scale_rows[0], kb, first);
-    }
-    if (both_cols && both_rows) {
-      TILE_STORE(3, block_tiles + 3 * tile_floats, sums_stride);
-      add_scaled_block(p, block_tiles + 3 * tile_floats, s11, n_first + AMX_ROWS, scale_rows[1], kb, first);
-    }
+    add_block_tiles(p, block_tiles, s00, s01, s10, s11, n_first, scale_rows, kb, first, both_cols, both_rows, emulated,
+                    model);
     return;
   }
   TILE_STORE(0, s00, sums_stride);
@@ -357,42 +378,17 @@ BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint1
   if (both_cols) TILE_ZERO(2);
   if (both_cols && both_rows) TILE_ZERO(3);
   for (int64_t s = 0; s < steps; ++s) {
-    TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
-    TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
-    TILE_DPBF16PS(0, 4, 6);
-    if (both_rows) {
-      TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
-      TILE_DPBF16PS(1, 4, 7);
-    }
-    if (both_cols) {
-      TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
-      TILE_DPBF16PS(2, 5, 6);
-      if (both_rows) TILE_DPBF16PS(3, 5, 7);
-    }
+    tile_step(panel_g, panel_g1, b0, b1, s, both_cols, both_rows, emulated, model);
     widen_units(next, t, widen_per_step);
     if (blocked && ((s + 1) % steps_per_block == 0 || s + 1 == steps)) {
       const int64_t kb = s / steps_per_block;
-      const __m512* scales = scale_rows + kb * scale_rows_stride;
-      TILE_STORE(0, tiles, stride);
-      add_scaled_block(p, tiles, totals, n_first, scales[0], kb, kb == 0);
+      add_block_tiles(p, tiles, totals, totals + tile_floats, totals + 2 * tile_floats, totals + 3 * tile_floats,
+                      n_first, scale_rows + kb * scale_rows_stride, kb, kb == 0, both_cols, both_rows, emulated,
+                      model);
       TILE_ZERO(0);
-      if (both_rows) {
-        TILE_STORE(1, tiles + tile_floats, stride);
-        add_scaled_block(p, tiles + tile_floats, totals + tile_floats, n_first, scales[1], kb, kb == 0);
-        TILE_ZERO(1);
-      }
-      if (both_cols) {
-        TILE_STORE(2, tiles + 2 * tile_floats, stride);
-        add_scaled_block(p, tiles + 2 * tile_floats, totals + 2 * tile_floats, n_first + AMX_ROWS, scales[0], kb,
-                         kb == 0);
-        TILE_ZERO(2);
-      }
-      if (both_cols && both_rows) {
-        TILE_STORE(3, tiles + 3 * tile_floats, stride);
-        add_scaled_block(p, tiles + 3 * tile_floats, totals + 3 * tile_floats, n_first + AMX_ROWS, scales[1], kb,
-                         kb == 0);
-        TILE_ZERO(3);
-      }
+      if (both_rows) TILE_ZERO(1);
+      if (both_cols) TILE_ZERO(2);
+      if (both_cols && both_rows) TILE_ZERO(3);
     }
   }
   if (blocked) return;
