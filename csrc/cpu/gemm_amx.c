@@ -88,7 +88,8 @@ BF16_TARGET ALWAYS_INLINE void add_scaled_block(const fp8_scaled_mm_params* p, c
  * In phases of their own, the two added up (4096 x 4096, M = 1024, one core: the
  * widening cost 12 of 33.5 ms). */
 typedef struct {
-  const uint8_t* src;    /* the next unit's 64 codes */
+  uintptr_t src;         /* the next unit's 64 codes (an integer: past the last weight row it
+                          * runs beyond the weights, never read there) */
   uint16_t* dest;        /* where its first half goes (the second: one tile further) */
   int64_t b_col_stride;  /* codes between weight rows */
   int64_t k_left;        /* codes of a row from the next unit to the end of K */
@@ -109,7 +110,7 @@ ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
 static panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols, int64_t k0,
                                       int64_t k_block, uint16_t* panel, int64_t height) {
   panel_widener w;
-  w.src = p->b + n0 * p->b_col_stride + k0;
+  w.src = (uintptr_t)(p->b + n0 * p->b_col_stride + k0);
   w.b_col_stride = p->b_col_stride;
   w.k_left = w.k_left_row = p->k - k0;
   w.units_per_row = k_block / 64;
@@ -133,9 +134,9 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
        * hardware prefetchers follow, and the same row's next K block, which the tile
        * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
        * one core: 26.1 -> 24.8 ms) */
-      _mm_prefetch(address_at(w->src, w->height * w->b_col_stride), _MM_HINT_T1);
+      _mm_prefetch(address_at((const void*)w->src, w->height * w->b_col_stride), _MM_HINT_T1);
       __m512i out0, out1;
-      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), w->src), &out0, &out1);
+      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), (const void*)w->src), &out0, &out1);
       _mm512_store_si512(w->dest, out0);
       _mm512_store_si512(w->dest + AMX_TILE_BF16, out1);
     } else {
@@ -150,7 +151,7 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
     } else {
       w->unit = 0;
       ++w->col;
-      w->src += w->b_col_stride - 64 * (w->units_per_row - 1);
+      w->src += (uintptr_t)(w->b_col_stride - 64 * (w->units_per_row - 1));
       w->k_left = w->k_left_row;
       w->dest = panel_row(w->panel, w->steps, w->col);
     }

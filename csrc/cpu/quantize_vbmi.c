@@ -21,12 +21,17 @@
  * in [-mb * 2^mb, 2^mb]: the exponent field 1 or less, where the step is the subnormal
  * one) are computed by division for the lanes concerned, in the 32-element steps that
  * have any (common in activations with outliers: a per-tensor scale is set by the
- * largest value). Scales outside [2^-84, 2^100], where the quotient or the
- * reciprocal could leave float32's normal range, and fp16/float32 inputs take the
- * division kernel for the whole span.
+ * largest value). The formula reads a bf16 subnormal as 2^-127 * 1.m and inf as
+ * 2^128 * 1.0; both still give the right codes (0, and the saturated largest finite) as
+ * long as the scale keeps them far from the fp8 range: a review sweep over every scale
+ * exponent found the first wrong codes below 2^-113 and above 2^111 (e5m2; e4m3fn:
+ * 2^-121, 2^118). Scales outside [2^-84, 2^100], a wide margin inside those, and
+ * fp16/float32 inputs take the division kernel for the whole span. (The table is built
+ * with the current MXCSR rounding, as the division kernel divides with it: both assume
+ * the default, round to nearest.)
  *
- * Speed (one core of the Intel Xeon with AMX, 256 Ki bf16 from L2): 0.099 ns per element,
- * the division kernel 0.203. */
+ * Speed (Intel Xeon with AMX, 2 threads, per-tensor scales, M = 128-2048 rows of 576-4096):
+ * 1.6-1.8x the division kernel; per-row scales 1.2-1.6x. */
 #include <immintrin.h>
 #include <string.h>
 
