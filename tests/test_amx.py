@@ -129,6 +129,25 @@ def test_subnormal_bf16_activations_are_taken_as_zero(amx_variant):
     assert torch.equal(out, bias.expand(16, 32))
 
 
+@pytest.mark.parametrize("m, k, n", [(40, 300, 200), (600, 300, 200), (300, 2100, 130)])
+def test_block_wise_one_and_two_threads_agree_bit_for_bit(m, k, n, amx_variant):
+    # with two threads the second one's weight rows start past 0 (n_begin > 0), in the
+    # stream, full-K (two row chunks at M = 600) and panel kernels; block-wise scales
+    # are looked up by absolute row and column, so both splits must give the same bits
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+        torch.set_num_threads(2)
+        double = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(single, double)
+    assert relative_error(single, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+
+
 @pytest.mark.parametrize("m", [3, 16, 40, 300, 700])
 def test_one_and_two_threads_agree_bit_for_bit(m, amx_variant):
     a, b, scale_a, scale_b = _operands(m, 450, 200)
