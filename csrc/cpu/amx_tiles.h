@@ -1,4 +1,4 @@
-/* The AMX tile instructions the kernels of gemm_amx.c use, either on the hardware or
+/* The AMX tile instructions the kernels of gemm_amx.c and gemm_amx_stream.c use, either on the hardware or
  * as a C model of the tile registers (the amx_emulated variant), behind the same macros.
  *
  * The model follows the pseudocode of TDPBF16PS in Intel's SDM, and was matched bit for
@@ -9,7 +9,7 @@
  * denormals flushed), then C + (even + odd). Not bit-identical to vdpbf16ps, whose
  * order differs; both are float32 sums of exact products. tests/test_amx.py compares
  * the two on AMX hardware, also where products and sums cross float32's smallest
- * normal. Only gemm_amx.c includes this. */
+ * normal. Only amx_kernels.h includes this. */
 #ifndef FP8LINEAR_AMX_TILES_H
 #define FP8LINEAR_AMX_TILES_H
 

@@ -9,8 +9,8 @@
  * columns x 16 rows, which the AVX512-BF16 epilogue transposes on its way out.
  *
  * Three kernels, by M and K (the dot kernel of gemm_avx512_bf16.c keeps M = 1, see gemm.c):
- * - the stream kernel (M <= 64): the weights are read once, from memory, 16 rows side
- *   by side over all of K; C tiles stay in registers for all of K;
+ * - the stream kernel (M <= 64, gemm_amx_stream.c): the weights are read once, from
+ *   memory, 16 rows side by side over all of K; C tiles stay in registers for all of K;
  * - the full-K kernel (M > 64, K <= AMX_FULL_K_MAX): panels of 32 weight rows x all of
  *   K, each used by a chunk of activation rows, with 2 x 2 C tiles (4 tile loads per 4
  *   tile products, the most reuse 8 tiles allow) kept in registers for all of K, and each
@@ -32,19 +32,9 @@
  */
 #include <string.h>
 
-#include "amx_tiles.h"
-
-/* The address `offset` bytes from `base`, for prefetches, which may point past the
- * weights (the next panel or group of the last one): computed as an integer, since
- * forming such a pointer by pointer arithmetic is undefined in C. */
-ALWAYS_INLINE const char* address_at(const void* base, int64_t offset) {
-  return (const char*)((uintptr_t)base + (uintptr_t)offset);
-}
+#include "amx_kernels.h"
 
 enum {
-  AMX_ROWS = 16,                    /* rows of every tile */
-  AMX_K = 32,                       /* k per tile product: 16 pairs of bf16 (64 bytes) per A-tile row */
-  AMX_TILE_BF16 = AMX_ROWS * AMX_K, /* bf16 per A tile: 1 KiB */
   AMX_PANEL_COLS = 64,              /* weight rows widened together: 4 A tiles tall */
   AMX_K_BLOCK = 256,                /* k per widened panel: 64 x 256 bf16 = 32 KiB */
   AMX_ROW_CHUNK = 512,              /* activation rows per sweep over the weights */
@@ -53,28 +43,6 @@ enum {
   AMX_FULL_K_MAX = FP8_AMX_FULL_K_MAX, /* up to this (padded) K */
   AMX_FULL_K_CHUNK_BYTES = 1 << 20  /* packed activations per row chunk of the full-K kernel: half of L2 */
 };
-
-/* ---- block-wise scales ------------------------------------------------------- */
-
-/* K-blocked calls (fp8_k_blocked) sum each block of 128 k in C tiles of its own; this
- * adds one such tile (`tile`: 16 weight rows from n0, a multiple of 16, x 16 activation
- * rows from m0, stored [weight row][activation row]) into the running sums `sums` (same
- * layout) with the block's scales: sums[j][i] (+)= scale_b(kb, n0 + j) * scale_a(m0 + i, kb)
- * * tile[j][i]. The 16 weight rows share one block of 128, so scale_b is one number;
- * scale_a varies along the tile's row (`scale_a`: fp8_block_scale_a16 of m0 and kb, which
- * the kernels build once per panel or call, not per tile). Rows past M get scale 0. */
-BF16_TARGET ALWAYS_INLINE void add_scaled_block(const fp8_scaled_mm_params* p, const float* tile, float* sums,
-                                                int64_t n0, __m512 scale_a, int64_t kb, int first) {
-  const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
-  for (int j = 0; j < 16; ++j) {
-    /* a per-column scale_b (scale_a blocked) differs per weight row */
-    const __m512 row_scale =
-        p->scale_b_per_col ? _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb))) : scale;
-    const __m512 value = _mm512_load_ps(tile + j * 16);
-    _mm512_store_ps(sums + j * 16, first ? _mm512_mul_ps(value, row_scale)
-                                         : _mm512_fmadd_ps(value, row_scale, _mm512_load_ps(sums + j * 16)));
-  }
-}
 
 /* ---- weight panels ----------------------------------------------------------- */
 
@@ -250,12 +218,14 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   if (both_cols && both_rows) TILE_STORE(3, s11, sums_stride);
 }
 
-#define TILE_BLOCK_CASES(...)                                                                   \
+/* fn(args..., both_cols, both_rows, emulated, model) with both flags as constants, so
+ * that each of the four shapes of a 2 x 2 block compiles without their branches. */
+#define TWO_BY_TWO_CASES(fn, ...)                                                               \
   switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
-    case 3: tile_block(__VA_ARGS__, 1, 1, emulated, model); break;                              \
-    case 2: tile_block(__VA_ARGS__, 1, 0, emulated, model); break;                              \
-    case 1: tile_block(__VA_ARGS__, 0, 1, emulated, model); break;                              \
-    default: tile_block(__VA_ARGS__, 0, 0, emulated, model); break;                             \
+    case 3: fn(__VA_ARGS__, 1, 1, emulated, model); break;                                      \
+    case 2: fn(__VA_ARGS__, 1, 0, emulated, model); break;                                      \
+    case 1: fn(__VA_ARGS__, 0, 1, emulated, model); break;                                      \
+    default: fn(__VA_ARGS__, 0, 0, emulated, model); break;                                     \
   }
 
 /* The order of the panels: weight rows in blocks of AMX_COL_BLOCK, and within a block
@@ -329,7 +299,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
       for (int64_t g = 0; g < col_groups; g += 2) {
         const int both_cols = g + 1 < col_groups;
         const uint16_t* panel_g = panel + g * steps * AMX_TILE_BF16;
-        TILE_BLOCK_CASES(panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
+        TWO_BY_TWO_CASES(tile_block, panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
                          panel_sums + g * layout.col_group + (r0 / AMX_ROWS) * layout.row_group, layout.col_group,
                          k0 == 0, &next, &t, widen_per_step, p, n0 + g * AMX_ROWS, scale_rows + r0 / AMX_ROWS,
                          k0 / FP8_SCALE_BLOCK, block_tiles)
@@ -399,14 +369,6 @@ BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint1
   if (both_cols && both_rows) TILE_STORE(3, tiles + 3 * tile_floats, stride);
 }
 
-#define FULL_K_BLOCK_CASES(...)                                                                 \
-  switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
-    case 3: full_k_block(__VA_ARGS__, 1, 1, emulated, model); break;                            \
-    case 2: full_k_block(__VA_ARGS__, 1, 0, emulated, model); break;                            \
-    case 1: full_k_block(__VA_ARGS__, 0, 1, emulated, model); break;                            \
-    default: full_k_block(__VA_ARGS__, 0, 0, emulated, model); break;                           \
-  }
-
 /* Rows [m_begin, m_end) (m_begin a multiple of 16) x weight rows [n_begin, n_end), in row
  * chunks of full_k_chunk_rows; within a chunk panel by panel, each over all its rows.
  * `scratch`: two panels, then 4 KiB of tiles, 4 KiB of totals, then (K-blocked) the
@@ -456,7 +418,7 @@ BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const f
       for (int64_t r0 = 0; r0 < rows; r0 += 2 * AMX_ROWS) {
         const int both_rows = rows - r0 > AMX_ROWS;
         const uint32_t* b0 = chunk_packed + (r0 / AMX_ROWS) * group_stride;
-        FULL_K_BLOCK_CASES(panel, panel + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps, tiles, totals, &next,
+        TWO_BY_TWO_CASES(full_k_block, panel, panel + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps, tiles, totals, &next,
                            &t, widen_per_step, p, n0, scale_table + r0 / AMX_ROWS, row_groups)
         const int64_t block_end = m0 + r0 + 2 * AMX_ROWS < m1 ? m0 + r0 + 2 * AMX_ROWS : m1;
         fp8_bf16_tile_epilogue(p, blocked ? totals : tiles, layout, m0 + r0, block_end, n0, cols);
@@ -465,205 +427,6 @@ BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const f
     }
   }
 #undef FULL_K_COLS_AT
-}
-
-/* ---- the stream kernel (M <= 64) --------------------------------------------- */
-
-/* Few activation rows: the weights are read once, from memory, and the kernel must
- * stream them. 16 weight rows at a time over all of K, in steps of 64 k: the two A
- * tiles of a step (k halves) come from a 2 KiB buffer widened during the previous
- * step's tile products, and the C tiles stay in registers for all of K. On this Xeon
- * 4-16 rows streamed side by side read at the full bandwidth of a plain read loop,
- * while the panel kernel's order (256 bytes of each of 512 rows per K block) read at
- * ~37% of it at M = 16. Up to 4 groups of 16 activation rows (M <= 64): one group
- * sums the low and high halves of each step in C0 and C1 (two chains of tile products
- * instead of one), two groups in C0, C1 (low) and C2, C3 (high); three or four groups
- * have one C tile each, and a step runs all groups' low halves, then all high halves,
- * so that the products on one C tile are apart. */
-
-
-enum {
-  AMX_STREAM_ROWS = 16,      /* weight rows streamed side by side */
-  AMX_STREAM_STEP = 64,      /* k per step: one cache line of each row */
-  AMX_STREAM_MAX_ROWS = FP8_AMX_STREAM_MAX_ROWS, /* activation rows: 4 groups of 16 */
-  AMX_STREAM_PREFETCH = 256, /* bytes ahead in each row, into L1 */
-  AMX_STREAM_BUFFERS = 2,    /* widened steps: this one and the next (a third one measured no faster) */
-  /* its scratch: up to 4 KiB to place the buffers, 2 x 2 KiB of them, 4 KiB of sums and
-   * 4 KiB of block-wise totals; then the block-wise scale_a table */
-  AMX_STREAM_SCRATCH_BYTES = 4 * 4096
-};
-
-/* One step of the stream kernel: 64 codes of each of the 16 weight rows from `src`
- * (`cols` of them exist; the others are zeros), widened into the two A tiles at dest. */
-BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const uint8_t* src, int64_t stride,
-                                                 int64_t cols, int64_t k, int64_t k_left, uint16_t* dest) {
-  const __mmask64 mask = tail_mask64(k_left);
-  /* Each row's prefetch runs AMX_STREAM_PREFETCH bytes ahead; near the end of the row
-   * (k codes long) it continues in the same row of the next group, so that the next
-   * group's 16 streams do not start cold (K = 4096, 64 steps per group: 0.62 -> 0.58 ms
-   * at M = 1, 2 threads, weights from memory). */
-  const int64_t ahead = k_left <= AMX_STREAM_PREFETCH ? AMX_STREAM_ROWS * stride + AMX_STREAM_PREFETCH - k
-                                                      : AMX_STREAM_PREFETCH;
-  for (int r = 0; r < AMX_STREAM_ROWS; ++r) {
-    __m512i out0 = _mm512_setzero_si512(), out1 = _mm512_setzero_si512();
-    if (r < cols) {
-      _mm_prefetch(address_at(src, r * stride + ahead), _MM_HINT_T0);
-      widen64(t, _mm512_maskz_loadu_epi8(mask, src + r * stride), &out0, &out1);
-    }
-    _mm512_store_si512(dest + r * AMX_K, out0);
-    _mm512_store_si512(dest + AMX_TILE_BF16 + r * AMX_K, out1);
-  }
-}
-
-/* Steps in the order the stream kernel takes them: all of K for one group of 16
- * weight rows, then the next group. */
-typedef struct {
-  int64_t n0, k0;
-} stream_step;
-
-static stream_step next_stream_step(stream_step at, int64_t kp) {
-  at.k0 += AMX_STREAM_STEP;
-  if (at.k0 >= kp) {
-    at.k0 = 0;
-    at.n0 += AMX_STREAM_ROWS;
-  }
-  return at;
-}
-
-BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                          const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
-                                          int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
-  const widen_tables_t t = load_widen_tables(p->b_format);
-  const int64_t kp = plan->k_padded;
-  const int64_t group_stride = (kp / 2) * AMX_ROWS;
-  const int64_t groups = (m_end - m_begin + AMX_ROWS - 1) / AMX_ROWS; /* 1..4 */
-  const int two_groups = groups == 2, four_groups = groups == 4;
-  const uint32_t* b_group0 = packed + (m_begin / AMX_ROWS) * group_stride;
-  const uint32_t* b_group1 = b_group0 + group_stride;
-  const uint32_t* b_group2 = b_group1 + group_stride;
-  const uint32_t* b_group3 = b_group2 + group_stride;
-  /* The step's stores into the next buffer, and the next step's B tiles loaded from the
-   * packed activations (2 KiB further per step), must not share their page offsets: a
-   * load waits on an older store to the same address bits 0-11 (4K aliasing). With the
-   * buffers 2 KiB away from the B tiles modulo 4 KiB they never do for one group of
-   * rows (M = 8, 4096 x 4096 from L3: 0.61 ms per call when they did, 0.47 ms). */
-  const uintptr_t b_offset = (uintptr_t)b_group0 % 4096, scratch_offset = (uintptr_t)scratch % 4096;
-  uint8_t* placed = scratch + (b_offset + 2048 + 4096 - scratch_offset) % 4096;
-  uint16_t* buffers[AMX_STREAM_BUFFERS];
-  for (int i = 0; i < AMX_STREAM_BUFFERS; ++i) buffers[i] = (uint16_t*)placed + 2 * AMX_TILE_BF16 * i;
-  float* sums = (float*)(placed + AMX_STREAM_BUFFERS * 2 * AMX_TILE_BF16 * sizeof(uint16_t)); /* 4 C tiles */
-  const int64_t tile_floats = AMX_ROWS * AMX_ROWS;
-  /* K-blocked scales: the C tiles hold one block of 128 k at a time; each block, summed
-   * per group as at the end below, joins these running sums with its scales */
-  const int blocked = fp8_k_blocked(p);
-  float* totals = sums + 4 * tile_floats;
-  /* and scale_a of every (block of 128 k, row group), built once per call (4096 x 4096,
-   * M = 64: 1.19x the per-channel time when built at every flush) */
-  __m512* scale_table = (__m512*)(scratch + AMX_STREAM_SCRATCH_BYTES);
-  if (blocked)
-    for (int64_t kb = 0; kb * FP8_SCALE_BLOCK < kp; ++kb)
-      for (int64_t group = 0; group < groups; ++group)
-        scale_table[kb * 4 + group] = fp8_block_scale_a16(p, m_begin + group * AMX_ROWS, kb);
-#define STREAM_COLS_AT(n0) (n_end - (n0) < AMX_STREAM_ROWS ? n_end - (n0) : AMX_STREAM_ROWS)
-  /* the steps already widened: AMX_STREAM_BUFFERS - 1 of them ahead of the one in use */
-  stream_step ahead = {n_begin, 0};
-#define WIDEN_AHEAD(buffer)                                                                                 \
-  widen_stream_step(&t, p->b + ahead.n0 * p->b_col_stride + ahead.k0, p->b_col_stride, STREAM_COLS_AT(ahead.n0), \
-                    p->k, p->k - ahead.k0, buffer)
-  for (int i = 0; i < AMX_STREAM_BUFFERS - 1 && ahead.n0 < n_end; ++i, ahead = next_stream_step(ahead, kp))
-    WIDEN_AHEAD(buffers[i]);
-  /* the sums, [weight row][activation row] per group; up to 2 groups, each group's two
-   * halves (C0 + C2 and C1 + C3 for two, C0 + C1 for one) are added here */
-#define STORE_GROUP_SUMS()                                                                               \
-  do {                                                                                                   \
-    TILE_STORE(0, sums, 64);                                                                             \
-    TILE_STORE(1, sums + tile_floats, 64);                                                               \
-    if (groups >= 2) TILE_STORE(2, sums + 2 * tile_floats, 64);                                          \
-    if (groups >= 2) TILE_STORE(3, sums + 3 * tile_floats, 64);                                          \
-    if (groups <= 2) {                                                                                   \
-      for (int64_t group = 0; group < groups; ++group) {                                                 \
-        float* low = sums + (groups == 2 ? group : 0) * tile_floats;                                     \
-        const float* high = low + (groups == 2 ? 2 : 1) * tile_floats;                                   \
-        for (int64_t i = 0; i < tile_floats; i += 16)                                                    \
-          _mm512_store_ps(low + i, _mm512_add_ps(_mm512_load_ps(low + i), _mm512_load_ps(high + i)));   \
-      }                                                                                                  \
-    }                                                                                                    \
-  } while (0)
-  int64_t step = 0;
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += AMX_STREAM_ROWS) {
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    if (groups >= 2) TILE_ZERO(2);
-    if (groups >= 2) TILE_ZERO(3);
-    for (int64_t k0 = 0; k0 < kp; k0 += AMX_STREAM_STEP, ++step) {
-      const uint16_t* a = buffers[step % AMX_STREAM_BUFFERS];
-      const int64_t pair0 = k0 / 2; /* the step's first k-pair */
-      TILE_LOAD(4, a, 64);
-      TILE_LOAD(5, a + AMX_TILE_BF16, 64);
-      if (groups > 2) { /* C0..C3 = groups; all groups' low halves, then all high halves */
-#define B_TILE(group, half) (b_group##group + (pair0 + (half) * AMX_ROWS) * AMX_ROWS)
-        for (int half = 0; half < 2; ++half) {
-          TILE_LOAD(6, B_TILE(0, half), 64);
-          TILE_LOAD(7, B_TILE(1, half), 64);
-          if (half == 0) {
-            TILE_DPBF16PS(0, 4, 6);
-            TILE_DPBF16PS(1, 4, 7);
-          } else {
-            TILE_DPBF16PS(0, 5, 6);
-            TILE_DPBF16PS(1, 5, 7);
-          }
-          TILE_LOAD(6, B_TILE(2, half), 64);
-          if (four_groups) TILE_LOAD(7, B_TILE(3, half), 64);
-          if (half == 0) {
-            TILE_DPBF16PS(2, 4, 6);
-            if (four_groups) TILE_DPBF16PS(3, 4, 7);
-          } else {
-            TILE_DPBF16PS(2, 5, 6);
-            if (four_groups) TILE_DPBF16PS(3, 5, 7);
-          }
-        }
-#undef B_TILE
-      } else if (two_groups) {
-        TILE_LOAD(6, b_group0 + pair0 * AMX_ROWS, 64);
-        TILE_LOAD(7, b_group1 + pair0 * AMX_ROWS, 64);
-        TILE_DPBF16PS(0, 4, 6);
-        TILE_DPBF16PS(1, 4, 7);
-        TILE_LOAD(6, b_group0 + (pair0 + AMX_ROWS) * AMX_ROWS, 64);
-        TILE_LOAD(7, b_group1 + (pair0 + AMX_ROWS) * AMX_ROWS, 64);
-        TILE_DPBF16PS(2, 5, 6);
-        TILE_DPBF16PS(3, 5, 7);
-      } else {
-        TILE_LOAD(6, b_group0 + pair0 * AMX_ROWS, 64);
-        TILE_LOAD(7, b_group0 + (pair0 + AMX_ROWS) * AMX_ROWS, 64);
-        TILE_DPBF16PS(0, 4, 6);
-        TILE_DPBF16PS(1, 5, 7);
-      }
-      if (ahead.n0 < n_end) {
-        WIDEN_AHEAD(buffers[(step + AMX_STREAM_BUFFERS - 1) % AMX_STREAM_BUFFERS]);
-        ahead = next_stream_step(ahead, kp);
-      }
-      if (blocked && ((k0 + AMX_STREAM_STEP) % FP8_SCALE_BLOCK == 0 || k0 + AMX_STREAM_STEP >= kp)) {
-        STORE_GROUP_SUMS();
-        for (int64_t group = 0; group < groups; ++group)
-          add_scaled_block(p, sums + group * tile_floats, totals + group * tile_floats, n0,
-                           scale_table[(k0 / FP8_SCALE_BLOCK) * 4 + group], k0 / FP8_SCALE_BLOCK, k0 < FP8_SCALE_BLOCK);
-        TILE_ZERO(0);
-        TILE_ZERO(1);
-        if (groups >= 2) TILE_ZERO(2);
-        if (groups >= 2) TILE_ZERO(3);
-      }
-    }
-    const fp8_sums_layout layout = {AMX_ROWS, 0, tile_floats}; /* group g at tile g */
-    if (blocked) {
-      fp8_bf16_tile_epilogue(p, totals, layout, m_begin, m_end, n0, STREAM_COLS_AT(n0));
-      continue;
-    }
-    STORE_GROUP_SUMS();
-    fp8_bf16_tile_epilogue(p, sums, layout, m_begin, m_end, n0, STREAM_COLS_AT(n0));
-  }
-#undef STORE_GROUP_SUMS
-#undef STREAM_COLS_AT
-#undef WIDEN_AHEAD
 }
 
 /* Scratch per thread: two panels, the sums of a column block of one row chunk, and
@@ -681,14 +444,8 @@ static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
  * 64-byte aligned. */
 enum { AMX_BLOCK_TILES_BYTES = 4 * AMX_ROWS * AMX_ROWS * (int)sizeof(float) };
 
-/* The stream kernel's scale_a table for K-blocked calls: one vector per (block of 128 k,
- * row group), after its 16 KiB. */
-static int64_t stream_scale_table_bytes(const fp8_cpu_mm_plan* plan) {
-  return (plan->k_padded / FP8_SCALE_BLOCK + 1) * 4 * 64;
-}
-
 static int full_k(const fp8_cpu_mm_plan* plan) {
-  return plan->m_padded > AMX_STREAM_MAX_ROWS && plan->k_padded <= AMX_FULL_K_MAX;
+  return plan->m_padded > FP8_AMX_STREAM_MAX_ROWS && plan->k_padded <= AMX_FULL_K_MAX;
 }
 
 /* The full-K kernel's scratch: two panels, 4 KiB of tiles and 4 of totals, the scale_a table. */
@@ -699,7 +456,7 @@ static int64_t full_k_scratch_bytes(const fp8_cpu_mm_plan* plan) {
 }
 
 static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
-  if (plan->m_padded <= AMX_STREAM_MAX_ROWS) return AMX_STREAM_SCRATCH_BYTES + stream_scale_table_bytes(plan);
+  if (plan->m_padded <= FP8_AMX_STREAM_MAX_ROWS) return fp8_amx_stream_scratch_bytes(plan);
   if (full_k(plan)) return full_k_scratch_bytes(plan);
   return 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
 }
@@ -714,8 +471,12 @@ int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan) {
 BF16_TARGET ALWAYS_INLINE void amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                            const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
                                            int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
-  if (plan->m_padded <= AMX_STREAM_MAX_ROWS) {
-    amx_stream(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, emulated, model);
+  if (plan->m_padded <= FP8_AMX_STREAM_MAX_ROWS) {
+    if (emulated) {
+      fp8_amx_stream_emulated(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, model);
+    } else {
+      fp8_amx_stream_hardware(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end);
+    }
     return;
   }
   if (full_k(plan)) {
