@@ -51,15 +51,16 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     if path in ("auto", "generic") or k == 0 or m == 0 or n == 0:
         return True
     k_blocks = -(-k // 128)
-    if (scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1) or \
-            (scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n)):
-        return False  # block-wise scales: only the generic kernel sums per block of 128 k so far
+    blocked = (scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1) or \
+        (scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n))
     k_contiguous = k <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
     a_fp8 = a.dtype in FP8_DTYPES
     if path in ("gemm", "gemv"):
         return a_fp8 and k_contiguous
     if path == "upconvert":
         return a.dtype != torch.float32 and k_contiguous
+    if blocked:
+        return False  # cuBLASLt is not asked for its block scaling
     lda = k if m == 1 else a.stride(0)
     ldb = k if n == 1 else b.stride(1)
     aligned = all(t.data_ptr() % 16 == 0 for t in (a, b)) and (bias is None or bias.data_ptr() % 16 == 0)
@@ -525,7 +526,9 @@ def test_quantize_blocks(shape):
     assert_same_fp8(q.cpu(), q_ref)
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 300, 260), (16, 4096, 4096), (70, 576, 1536), (300, 7168, 576)])
+# every gemv token tiling (M 1-8, 9-16, 17-64), gemm above; K and N with partial blocks
+@pytest.mark.parametrize("m, k, n", [(1, 300, 260), (9, 256, 130), (16, 4096, 4096), (40, 1000, 200),
+                                     (70, 576, 1536), (300, 7168, 576)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_paths_blockwise(path, m, k, n, out_dtype):
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), granularity="group")

@@ -15,6 +15,11 @@
 // compute-bound from M ~ 128. mma.sync reaches a fraction of Hopper's wgmma peak:
 // aligned shapes go to cuBLASLt; this kernel's job is to make unaligned ones work at
 // tensor-core speed without padded copies.
+//
+// K-blocked (block-wise 128 x 128) scales, which cuBLASLt is not asked for: the sums of
+// every two slices (128 k) join float32 totals, scaled by scale_a(m, kb) * scale_b(kb,
+// n), as the generic kernel does. Both sets of sums take registers, so blocked calls
+// use 64-row tiles (the accumulators of one 128-row tile).
 #include "cuda_kernels.h"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -26,11 +31,12 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockN = 128;
 
-template <class ActivationKind>
+template <class ActivationKind, bool kBlocked>
 struct TileShape {
   // 16-bit activations (weight-only) take twice the bytes per row; 64 rows keep the
-  // double-buffered tiles within the 48 KB of static shared memory.
-  static constexpr int kBlockM = ActivationKind::kBytes == 2 ? 64 : 128;
+  // double-buffered tiles within the 48 KB of static shared memory. K-blocked calls
+  // keep two sets of sums: 64 rows keep them within the registers of one.
+  static constexpr int kBlockM = ActivationKind::kBytes == 2 || kBlocked ? 64 : 128;
   static constexpr int kWarpTilesM = kBlockM / 2 / 16;  // m16 tiles per warp
   static constexpr int kWarpTilesN = 4;                 // n8 tiles per warp (32 columns)
   // Row pitches in bytes. A 16-byte shared load by lanes (groupID g, t) reads row g at
@@ -43,10 +49,10 @@ struct TileShape {
   static constexpr int kWeightPieces = kBlockN * kSliceElements / 16 / kThreads;
 };
 
-template <class ActivationKind, class WeightKind, bool kWiden>
+template <class ActivationKind, class WeightKind, bool kWiden, bool kBlocked>
 __global__ void __launch_bounds__(kThreads)
     gemm_kernel(fp8_scaled_mm_params p, bool activation_aligned, bool weight_aligned) {
-  using Shape = TileShape<ActivationKind>;
+  using Shape = TileShape<ActivationKind, kBlocked>;
   constexpr int kBlockM = Shape::kBlockM;
   constexpr int kPiecesPerActivationRow = kSliceElements * ActivationKind::kBytes / 16;
   constexpr int kPiecesPerWeightRow = kSliceElements / 16;
@@ -108,6 +114,11 @@ __global__ void __launch_bounds__(kThreads)
   };
 
   float acc[Shape::kWarpTilesM][Shape::kWarpTilesN][4] = {};
+  // K-blocked: acc holds the current block of 128 k, total the scaled blocks before it
+  float total[Shape::kWarpTilesM][Shape::kWarpTilesN][4] = {};
+  // this thread's first row and column of the accumulators (mma.sync's C fragment)
+  const int64_t row0 = m0 + warp_m * (kBlockM / 2) + group, col0 = n0 + warp_n * 32 + 2 * thread_in_group;
+  constexpr int kSlicesPerBlock = FP8_SCALE_BLOCK / kSliceElements;
   const int64_t slices = ceil_div(p.k, kSliceElements);
   if (slices > 0) {
     load_stage(0);
@@ -132,6 +143,11 @@ __global__ void __launch_bounds__(kThreads)
       read_slice(columns[j], &weight_tile[buffer][(warp_n * 32 + 8 * j + group) * Shape::kWeightPitch]);
     }
     mma_slice<ActivationKind, WeightKind, kWiden>(acc, lo, hi, columns);
+    if constexpr (kBlocked) {
+      if (slice % kSlicesPerBlock == kSlicesPerBlock - 1 || !has_next) {
+        add_scaled_block(total, acc, p, row0, col0, true, slice / kSlicesPerBlock);
+      }
+    }
 
     // The other buffer was last read in the previous iteration, before its barrier.
     if (has_next) store_stage(buffer ^ 1);
@@ -142,30 +158,37 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < Shape::kWarpTilesM; ++i) {
 #pragma unroll
     for (int j = 0; j < Shape::kWarpTilesN; ++j) {
-      const int64_t m = m0 + warp_m * (kBlockM / 2) + 16 * i + group;
-      const int64_t n = n0 + warp_n * 32 + 8 * j + 2 * thread_in_group;
-      store_result(p, m, n, acc[i][j][0]);
-      store_result(p, m, n + 1, acc[i][j][1]);
-      store_result(p, m + 8, n, acc[i][j][2]);
-      store_result(p, m + 8, n + 1, acc[i][j][3]);
+      const float(&sums)[4] = kBlocked ? total[i][j] : acc[i][j];
+      const int64_t m = row0 + 16 * i, n = col0 + 8 * j;
+      store_result(p, m, n, sums[0]);
+      store_result(p, m, n + 1, sums[1]);
+      store_result(p, m + 8, n, sums[2]);
+      store_result(p, m + 8, n + 1, sums[3]);
     }
   }
 }
 
-template <class ActivationKind, class WeightKind, bool kWiden>
-const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream) {
+template <class ActivationKind, class WeightKind, bool kWiden, bool kBlocked>
+const char* launch_with_shape(const fp8_scaled_mm_params* p, cudaStream_t stream) {
   const int64_t activation_bytes = ActivationKind::kBytes;
   const bool activation_aligned = is_aligned(p->a, 16) && (p->a_row_stride * activation_bytes) % 16 == 0 &&
                                   (p->k * activation_bytes) % 16 == 0;
   const bool weight_aligned = is_aligned(p->b, 16) && p->b_col_stride % 16 == 0 && p->k % 16 == 0;
-  const int64_t blocks_m = ceil_div(p->m, TileShape<ActivationKind>::kBlockM), blocks_n = ceil_div(p->n, kBlockN);
+  const int64_t blocks_m = ceil_div(p->m, TileShape<ActivationKind, kBlocked>::kBlockM), blocks_n = ceil_div(p->n, kBlockN);
   if (blocks_m > 65535 || blocks_n > 0x7FFFFFFF) {
     return error_text("fp8linear CUDA: gemm grid too large for M = %lld, N = %lld", static_cast<long long>(p->m),
                       static_cast<long long>(p->n));
   }
   const dim3 grid(static_cast<unsigned>(blocks_n), static_cast<unsigned>(blocks_m));
-  gemm_kernel<ActivationKind, WeightKind, kWiden><<<grid, kThreads, 0, stream>>>(*p, activation_aligned, weight_aligned);
+  gemm_kernel<ActivationKind, WeightKind, kWiden, kBlocked>
+      <<<grid, kThreads, 0, stream>>>(*p, activation_aligned, weight_aligned);
   return check_launch(kWiden ? "gemm_kernel (widening)" : "gemm_kernel (fp8 tensor cores)");
+}
+
+template <class ActivationKind, class WeightKind, bool kWiden>
+const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream) {
+  return fp8_k_blocked(p) ? launch_with_shape<ActivationKind, WeightKind, kWiden, true>(p, stream)
+                          : launch_with_shape<ActivationKind, WeightKind, kWiden, false>(p, stream);
 }
 
 template <class WeightKind>
@@ -188,11 +211,10 @@ const char* launch_with_weight_kind(const fp8_scaled_mm_params* p, bool widen, c
 const char* fp8_cuda_gemm_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream) {
   using namespace fp8cuda;
   // 16-bit tensor cores only: float32 activations would be rounded (the generic kernel
-  // takes them), and block-wise scales are summed per block only by the generic kernel
+  // takes them)
   if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
     return "fp8linear CUDA: gemm: float32 activations are not supported (the generic path takes them)";
   }
-  if (p->scale_a_blocked || p->scale_b_blocked) return "fp8linear CUDA: gemm: block-wise scales are not supported";
   return p->b_format == FP8_E4M3FN ? launch_with_weight_kind<KindE4M3>(p, widen != 0, stream)
                                    : launch_with_weight_kind<KindE5M2>(p, widen != 0, stream);
 }

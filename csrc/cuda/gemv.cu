@@ -8,7 +8,8 @@
 // operand (16 output features per tile, K contiguous: "row"), the activations the
 // column operand (8 tokens per tile, K contiguous: "col").
 //
-// A block owns 16 output features and kTokenTiles * 8 tokens (8, 16 or 64); its 8
+// A block owns 16 output features and kTokenTiles * 8 tokens (8, 16 or 64; K-blocked
+// calls 8, 16 or 32, so that M = 33-64 reads the weight twice there); its 8
 // warps split K (warp w takes slices w, w + 8, ...) and add their partial sums in
 // shared memory. 16-feature blocks give N / 16 blocks (256 for N = 4096: two per SM),
 // enough to fill the GPU where a GEMM's 128-wide tiles would leave SMs idle.
@@ -16,6 +17,12 @@
 // at M = 1 the time is weight bytes / bandwidth (4096 x 14336: 58.7 MB, ~15 us at
 // 4 TB/s; the bf16 weight is twice that). Widened variants (kWiden) serve GPUs below
 // sm_89, 16-bit activations (weight-only) and float32 outputs (scaled_mm.cu).
+//
+// K-blocked (block-wise 128 x 128) scales: warps take whole blocks of 128 k (two
+// slices: warp w blocks w, w + 8, ...), and each block's float32 sums join the warp's
+// totals scaled by scale_a(token, kb) * scale_b(kb, feature) before the warps add up.
+// At most two slices are in flight per warp there (otherwise up to four; one at M > 16),
+// and M > 16 takes blocks of 32 tokens (otherwise 64).
 #include "cuda_kernels.h"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -27,7 +34,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kFeatures = 16;  // output features per block: one m16 row tile
 
-template <class WeightKind, class ActivationKind, int kTokenTiles, bool kWiden>
+template <class WeightKind, class ActivationKind, int kTokenTiles, bool kWiden, bool kBlocked>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(fp8_scaled_mm_params p, bool weight_aligned, bool activation_aligned) {
   constexpr int kTokens = 8 * kTokenTiles;
@@ -58,29 +65,50 @@ __global__ void __launch_bounds__(kThreads)
 
   float acc[1][kTokenTiles][4] = {};
   const int64_t slices = ceil_div(p.k, kSliceElements);
-  for (int64_t first = warp; first < slices; first += kWarps * kLoadsAhead) {
-    Slice<WeightKind> lo[kLoadsAhead][1], hi[kLoadsAhead][1];
-    Slice<ActivationKind> tokens[kLoadsAhead][kTokenTiles];
-    // All loads of the batch are issued before any mma waits on them.
+  // A thread's share of slice `slice` (zeros past K, N and M).
+  auto load = [&](Slice<WeightKind>& lo, Slice<WeightKind>& hi, Slice<ActivationKind> (&tokens)[kTokenTiles],
+                  int64_t slice) {
+    const int64_t k0 = slice * kSliceElements + 16 * thread_in_group;
+    const bool in_range = slice < slices;
+    clear(lo);
+    clear(hi);
+    if (in_range && feature_lo < p.n) load_slice<WeightKind, true>(lo, weight_lo, k0, p.k, weight_aligned);
+    if (in_range && feature_hi < p.n) load_slice<WeightKind, true>(hi, weight_hi, k0, p.k, weight_aligned);
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) {
-      const int64_t slice = first + static_cast<int64_t>(u) * kWarps;
-      const int64_t k0 = slice * kSliceElements + 16 * thread_in_group;
-      const bool in_range = slice < slices;
-      clear(lo[u][0]);
-      clear(hi[u][0]);
-      if (in_range && feature_lo < p.n) load_slice<WeightKind, true>(lo[u][0], weight_lo, k0, p.k, weight_aligned);
-      if (in_range && feature_hi < p.n) load_slice<WeightKind, true>(hi[u][0], weight_hi, k0, p.k, weight_aligned);
-#pragma unroll
-      for (int j = 0; j < kTokenTiles; ++j) {
-        clear(tokens[u][j]);
-        if (in_range && has_token[j]) {
-          load_slice<ActivationKind, false>(tokens[u][j], token_rows[j], k0, p.k, activation_aligned);
-        }
-      }
+    for (int j = 0; j < kTokenTiles; ++j) {
+      clear(tokens[j]);
+      if (in_range && has_token[j]) load_slice<ActivationKind, false>(tokens[j], token_rows[j], k0, p.k, activation_aligned);
     }
+  };
+  if constexpr (!kBlocked) {
+    for (int64_t first = warp; first < slices; first += kWarps * kLoadsAhead) {
+      Slice<WeightKind> lo[kLoadsAhead][1], hi[kLoadsAhead][1];
+      Slice<ActivationKind> tokens[kLoadsAhead][kTokenTiles];
+      // All loads of the batch are issued before any mma waits on them.
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) mma_slice<WeightKind, ActivationKind, kWiden>(acc, lo[u], hi[u], tokens[u]);
+      for (int u = 0; u < kLoadsAhead; ++u) load(lo[u][0], hi[u][0], tokens[u], first + static_cast<int64_t>(u) * kWarps);
+#pragma unroll
+      for (int u = 0; u < kLoadsAhead; ++u) mma_slice<WeightKind, ActivationKind, kWiden>(acc, lo[u], hi[u], tokens[u]);
+    }
+  } else {
+    constexpr int kSlicesPerBlock = FP8_SCALE_BLOCK / kSliceElements;
+    // slices in flight: two, one with 4 token tiles (two spilled registers at sm_90a)
+    constexpr int kBatch = kTokenTiles >= 4 ? 1 : kLoadsAhead < kSlicesPerBlock ? kLoadsAhead : kSlicesPerBlock;
+    const int64_t k_blocks = ceil_div(p.k, FP8_SCALE_BLOCK);
+    float block[1][kTokenTiles][4] = {};
+    for (int64_t kb = warp; kb < k_blocks; kb += kWarps) {
+#pragma unroll
+      for (int first = 0; first < kSlicesPerBlock; first += kBatch) {
+        Slice<WeightKind> lo[kBatch][1], hi[kBatch][1];
+        Slice<ActivationKind> tokens[kBatch][kTokenTiles];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) load(lo[u][0], hi[u][0], tokens[u], kb * kSlicesPerBlock + first + u);
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) mma_slice<WeightKind, ActivationKind, kWiden>(block, lo[u], hi[u], tokens[u]);
+      }
+      // mma rows are features (groupID, + 8), columns tokens (2t, 2t + 1 of each tile)
+      add_scaled_block(acc, block, p, feature_lo, token0 + 2 * thread_in_group, false, kb);
+    }
   }
 
   // Split-K: the 8 warps' partial sums meet in shared memory, laid out so that a
@@ -105,14 +133,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class WeightKind, class ActivationKind, bool kWiden>
-const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream) {
+template <class WeightKind, class ActivationKind, bool kWiden, bool kBlocked>
+const char* launch_with_shape(const fp8_scaled_mm_params* p, cudaStream_t stream) {
   const bool weight_aligned = is_aligned(p->b, 16) && p->b_col_stride % 16 == 0 && p->k % 16 == 0;
   const int64_t activation_bytes = ActivationKind::kBytes;
   const bool activation_aligned = is_aligned(p->a, 16) && (p->a_row_stride * activation_bytes) % 16 == 0 &&
                                   (p->k * activation_bytes) % 16 == 0;
-  // Token tiles per block: 1 (M <= 8), 2 (M <= 16), else 8; larger M takes more blocks in y.
-  const int token_tiles = p->m <= 8 ? 1 : p->m <= 16 ? 2 : 8;
+  // Token tiles per block: 1 (M <= 8), 2 (M <= 16), else 8 (K-blocked: 4, whose two
+  // sets of sums fit the registers); larger M takes more blocks in y.
+  constexpr int kMostTiles = kBlocked ? 4 : 8;
+  const int token_tiles = p->m <= 8 ? 1 : p->m <= 16 ? 2 : kMostTiles;
   const int64_t feature_blocks = ceil_div(p->n, kFeatures);
   const int64_t token_blocks = ceil_div(p->m, 8 * token_tiles);
   if (feature_blocks > 0x7FFFFFFF || token_blocks > 65535) {
@@ -122,11 +152,19 @@ const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream
   const dim3 grid(static_cast<unsigned>(feature_blocks), static_cast<unsigned>(token_blocks));
   const bool w = weight_aligned, a = activation_aligned;
   switch (token_tiles) {
-    case 1: gemv_kernel<WeightKind, ActivationKind, 1, kWiden><<<grid, kThreads, 0, stream>>>(*p, w, a); break;
-    case 2: gemv_kernel<WeightKind, ActivationKind, 2, kWiden><<<grid, kThreads, 0, stream>>>(*p, w, a); break;
-    default: gemv_kernel<WeightKind, ActivationKind, 8, kWiden><<<grid, kThreads, 0, stream>>>(*p, w, a); break;
+    case 1: gemv_kernel<WeightKind, ActivationKind, 1, kWiden, kBlocked><<<grid, kThreads, 0, stream>>>(*p, w, a); break;
+    case 2: gemv_kernel<WeightKind, ActivationKind, 2, kWiden, kBlocked><<<grid, kThreads, 0, stream>>>(*p, w, a); break;
+    default:
+      gemv_kernel<WeightKind, ActivationKind, kMostTiles, kWiden, kBlocked><<<grid, kThreads, 0, stream>>>(*p, w, a);
+      break;
   }
   return check_launch(kWiden ? "gemv_kernel (widening)" : "gemv_kernel (fp8 tensor cores)");
+}
+
+template <class WeightKind, class ActivationKind, bool kWiden>
+const char* launch_with_kinds(const fp8_scaled_mm_params* p, cudaStream_t stream) {
+  return fp8_k_blocked(p) ? launch_with_shape<WeightKind, ActivationKind, kWiden, true>(p, stream)
+                          : launch_with_shape<WeightKind, ActivationKind, kWiden, false>(p, stream);
 }
 
 template <class WeightKind>
@@ -150,11 +188,10 @@ const char* launch_with_weight_kind(const fp8_scaled_mm_params* p, bool widen, c
 const char* fp8_cuda_gemv_launch(const fp8_scaled_mm_params* p, int widen, cudaStream_t stream) {
   using namespace fp8cuda;
   // 16-bit tensor cores only: float32 activations would be rounded (the generic kernel
-  // takes them), and block-wise scales are summed per block only by the generic kernel
+  // takes them)
   if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
     return "fp8linear CUDA: gemv: float32 activations are not supported (the generic path takes them)";
   }
-  if (p->scale_a_blocked || p->scale_b_blocked) return "fp8linear CUDA: gemv: block-wise scales are not supported";
   return p->b_format == FP8_E4M3FN ? launch_with_weight_kind<KindE4M3>(p, widen != 0, stream)
                                    : launch_with_weight_kind<KindE5M2>(p, widen != 0, stream);
 }

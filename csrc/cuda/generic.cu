@@ -1,6 +1,7 @@
 // scaled_mm for anything the tensor-core kernels do not take: arbitrary strides of a
-// and b, float32 activations (weight-only; a 16-bit mma would round them), K = 0,
-// K-blocked (128 x 128 block-wise) scales, and GPUs below sm_80. Plain SIMT: a 64 x 64 tile per block, each thread 4 x 4 outputs,
+// and b, float32 activations (weight-only; a 16-bit mma would round them), K = 0, and
+// GPUs below sm_80 (and K-blocked, 128 x 128 block-wise scales, which the tensor-core
+// kernels take too). Plain SIMT: a 64 x 64 tile per block, each thread 4 x 4 outputs,
 // operands decoded to float32 on their way into shared memory, exact fp8 products
 // and float32 sums (fmaf rounds once per step, as the reference's a * b + acc).
 #include "cuda_kernels.h"

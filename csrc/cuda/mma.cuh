@@ -242,20 +242,71 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kRowTiles][kColumnTiles][
   }
 }
 
-// out[m, n] = acc * scale_a[m] * scale_b[n] + bias[n], rounded once to the output dtype.
-// scale_a(m, kb) * scale_b(kb, n) of a K-blocked call (kernels.h's fp8_k_block_scale).
-__device__ __forceinline__ float k_block_scale(const fp8_scaled_mm_params& p, int64_t m, int64_t n, int64_t kb) {
-  const float a = p.scale_a_blocked ? __ldg(p.scale_a + m * p.scale_a_row_stride + kb)
-                                    : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0));
-  const float b = p.scale_b_blocked
-                      ? __ldg(p.scale_b + kb * p.scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p.scale_b_n_stride)
-                      : __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
-  return a * b;
+// scale_a(m, kb) and scale_b(kb, n) of a K-blocked call (kernels.h's fp8_k_block_scale
+// is their product, a * b); 0 <= m < M, 0 <= n < N.
+__device__ __forceinline__ float k_block_scale_a(const fp8_scaled_mm_params& p, int64_t m, int64_t kb) {
+  return p.scale_a_blocked ? __ldg(p.scale_a + m * p.scale_a_row_stride + kb)
+                           : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0));
 }
 
+__device__ __forceinline__ float k_block_scale_b(const fp8_scaled_mm_params& p, int64_t n, int64_t kb) {
+  return p.scale_b_blocked ? __ldg(p.scale_b + kb * p.scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p.scale_b_n_stride)
+                           : __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
+}
+
+__device__ __forceinline__ float k_block_scale(const fp8_scaled_mm_params& p, int64_t m, int64_t n, int64_t kb) {
+  return k_block_scale_a(p, m, kb) * k_block_scale_b(p, n, kb);
+}
+
+// A K-blocked tile product's end of a block of 128 k (the tensor-core kernels): the
+// float32 sums of that block, `block`, join `total` scaled by scale_a(m, kb) *
+// scale_b(kb, n), and `block` is cleared. One m16 x n8 accumulator of mma.sync per
+// [i][j], as this thread holds it: elements 0, 1 at row row0 + 16 i, columns col0 + 8 j
+// and + 1; elements 2, 3 at row + 8. Rows and columns past their ends get scale 0 (their
+// results are not stored). rows_are_a: rows index a (M) and columns b (N), as in the
+// GEMM; otherwise swapped (the GEMV's out^T = W a^T).
+template <int kRowTiles, int kColumnTiles>
+__device__ __forceinline__ void add_scaled_block(float (&total)[kRowTiles][kColumnTiles][4],
+                                                 float (&block)[kRowTiles][kColumnTiles][4], const fp8_scaled_mm_params& p,
+                                                 int64_t row0, int64_t col0, bool rows_are_a, int64_t kb) {
+  float row_scale[kRowTiles][2], col_scale[kColumnTiles][2];
+#pragma unroll
+  for (int i = 0; i < kRowTiles; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = row0 + 16 * i + 8 * h;
+      row_scale[i][h] = rows_are_a ? (r < p.m ? k_block_scale_a(p, r, kb) : 0.0f)
+                                   : (r < p.n ? k_block_scale_b(p, r, kb) : 0.0f);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kColumnTiles; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = col0 + 8 * j + h;
+      col_scale[j][h] = rows_are_a ? (c < p.n ? k_block_scale_b(p, c, kb) : 0.0f)
+                                   : (c < p.m ? k_block_scale_a(p, c, kb) : 0.0f);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowTiles; ++i) {
+#pragma unroll
+    for (int j = 0; j < kColumnTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float a_scale = rows_are_a ? row_scale[i][e / 2] : col_scale[j][e % 2];
+        const float b_scale = rows_are_a ? col_scale[j][e % 2] : row_scale[i][e / 2];
+        total[i][j][e] = fmaf(a_scale * b_scale, block[i][j][e], total[i][j][e]);  // as k_block_scale(...) * sum
+        block[i][j][e] = 0.0f;
+      }
+    }
+  }
+}
+
+// out[m, n] = acc * scale_a[m] * scale_b[n] + bias[n], rounded once to the output dtype.
 __device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int64_t m, int64_t n, float acc) {
   if (m >= p.m || n >= p.n) return;
-  // K-blocked calls (the generic kernel) come with the scales applied per block
+  // K-blocked calls come with the scales applied per block of 128 k
   const bool blocked = p.scale_a_blocked || p.scale_b_blocked;
   const float scale = blocked ? 1.0f
                               : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));

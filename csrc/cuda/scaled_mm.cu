@@ -6,7 +6,9 @@
 //   M <= 64                      -> gemv (skinny: 16-feature blocks keep the GPU busy)
 //   otherwise                    -> gemm
 // below cc 8.9, or 16-bit activations (weight-only) -> upconvert (widening gemv/gemm);
-// float32 activations, other strides, K = 0, K-blocked scales, GPUs below sm_80 -> generic.
+// float32 activations, other strides, K = 0, GPUs below sm_80 -> generic.
+// K-blocked (block-wise 128 x 128) scales take the same rules, except cuBLASLt (not
+// asked for its block scaling): gemv up to M = 64, gemm above.
 //
 // float32 outputs: our gemm/gemv widen fp8 to float16 for the tensor cores (exact
 // products, float32 sums) instead of using the fp8 mma, and cuBLASLt is not used. The
@@ -31,11 +33,7 @@ bool k_contiguous(const fp8_scaled_mm_params* p) {
   return p->k <= 1 || (p->a_col_stride == 1 && p->b_row_stride == 1);
 }
 
-constexpr const char* kBlockedRefusal =
-    "K-blocked (block-wise 128 x 128) scales are summed per block of 128 k only by the 'generic' kernel so far";
-
 const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
-  if (p->scale_a_blocked || p->scale_b_blocked) return kBlockedRefusal;
   if (capability(major, minor) < 89) return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
   if (p->a_is_float) return "a is a float dtype (weight-only): fp8 tensor cores need fp8 activations (use 'upconvert')";
   if (!k_contiguous(p)) return "needs K-contiguous operands: a row-major [M, K] and b = w.t() of a row-major [N, K]";
@@ -43,7 +41,6 @@ const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, int major, in
 }
 
 const char* upconvert_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
-  if (p->scale_a_blocked || p->scale_b_blocked) return kBlockedRefusal;
   if (capability(major, minor) < 80) return "16-bit tensor cores (mma.sync m16n8k16) need compute capability 8.0 or newer";
   if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
     return "float32 activations would be rounded by a 16-bit multiply (the 'generic' path takes them)";
