@@ -100,6 +100,14 @@ void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t r
                       int64_t col_begin, int64_t col_end, const float* scale,
                       int64_t scale_row_stride);
 
+/* Groups of `group` columns along each row in [row_begin, row_end) (the last one per row
+ * possibly partial), rows with unit column stride: one scale per group, scales[row *
+ * groups_per_row + g]; dynamic: computed from the group's amax by scale_of and written
+ * there, else read. One call per range of rows: the kernel variant is picked once, not
+ * per group. */
+void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end, int64_t group,
+                             float* scales, int dynamic, float (*scale_of)(float amax, fp8_format format));
+
 /* scaled_mm runs in three steps: plan (which kernel, how much memory), prepare
  * (activations widened into the workspace, rows [m_begin, m_end)), then compute
  * (outputs [m_begin, m_end) x [n_begin, n_end)). The bindings spread prepare over

@@ -75,10 +75,15 @@ def test_strided_inputs_and_threads(cpu_variant):
             q, scale = fp8linear.quantize_fp8(x, granularity="block")
             assert torch.equal(scale, expected[1])
             assert_same_fp8(q, expected[0])
-        expected = reference.quantize_fp8(x, granularity="group")
-        q, scale = fp8linear.quantize_fp8(x, granularity="group")
-        assert torch.equal(scale, expected[1])
-        assert_same_fp8(q, expected[0])
+        # groups: rows with a unit column stride run the per-row-range loop (any row
+        # stride), others the per-group tasks; sizes other than 128, partial last groups
+        for group_size in (128, 100, 32):
+            expected = reference.quantize_fp8(x, granularity="group", group_size=group_size)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                q, scale = fp8linear.quantize_fp8(x, granularity="group", group_size=group_size)
+                assert torch.equal(scale, expected[1])
+                assert_same_fp8(q, expected[0])
     torch.set_num_threads(2)
 
 

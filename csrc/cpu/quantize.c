@@ -79,3 +79,21 @@ void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t r
     }
   }
 }
+
+void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end, int64_t group,
+                             float* scales, int dynamic, float (*scale_of)(float amax, fp8_format format)) {
+  const fp8_span_amax_fn span_amax = pick_amax();
+  const fp8_span_quantize_fn span_quantize = pick_quantize();
+  const int64_t size = element_size(p->x_dtype);
+  const int64_t groups = (p->cols + group - 1) / group;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const char* row = (const char*)p->x + r * p->x_row_stride * size;
+    uint8_t* q = p->q + r * p->cols;
+    float* row_scales = scales + r * groups;
+    for (int64_t g = 0, c = 0; g < groups; ++g, c += group) {
+      const int64_t n = p->cols - c < group ? p->cols - c : group;
+      if (dynamic) row_scales[g] = scale_of(fp8_bits_float(span_amax(row + c * size, p->x_dtype, n)), p->format);
+      span_quantize(row + c * size, p->x_dtype, n, row_scales[g], q + c, p->format);
+    }
+  }
+}
