@@ -82,6 +82,11 @@ constexpr int64_t kQuantizeGrain = 1 << 15;
 constexpr int64_t kQuantizeChunk = 1 << 18;
 constexpr int64_t kScaledMmGrain = 1 << 16;
 
+// Rows per task when a task is a whole row: at least kQuantizeGrain elements.
+int64_t quantize_row_grain(const fp8_quantize_params& p) {
+  return std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+}
+
 // One scale for the whole tensor: a parallel amax, then a parallel quantize.
 // Long rows are split by columns so that a single huge row still uses every thread.
 float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> static_scale) {
@@ -89,7 +94,7 @@ float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> sta
   // the last-level cache when the quantize pass, going backwards, reads them again.
   const int64_t col_chunk = p.rows == 1 ? std::min<int64_t>(std::max<int64_t>(kQuantizeGrain, p.cols / (4 * at::get_num_threads()) + 1), kQuantizeChunk) : p.cols;
   const int64_t col_chunks = (p.cols + col_chunk - 1) / col_chunk;
-  const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+  const int64_t row_grain = quantize_row_grain(p);
   const int64_t tasks = p.rows * col_chunks;
   float scale;
   if (static_scale.has_value()) {
@@ -119,7 +124,7 @@ float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> sta
 
 // One scale per row: amax and quantize of a row run back to back, while it is in cache.
 void quantize_per_row(const fp8_quantize_params& p, float* scales, bool dynamic) {
-  const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+  const int64_t row_grain = quantize_row_grain(p);
   at::parallel_for(0, p.rows, row_grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       if (dynamic) {
@@ -182,10 +187,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, 
   if (block_rows == 1 && p.x_col_stride == 1) {
     // groups along contiguous rows: a task per range of rows, the variant picked once per
     // task (per group, the calls below cost ~25% of the time at groups of 128)
-    const int64_t row_grain = std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
+    const int64_t row_grain = quantize_row_grain(p);
     at::parallel_for(0, p.rows, row_grain, [&](int64_t begin, int64_t end) {
-      fp8_cpu_quantize_groups(&p, begin, end, block_cols, scale_data, dynamic ? 1 : 0,
-                              [](float amax, fp8_format f) { return scale_from_amax(amax, f); });
+      fp8_cpu_quantize_groups(&p, begin, end, block_cols, scale_data, dynamic ? 1 : 0, scale_from_amax);
     });
     return {q, scale.has_value() ? scale->clone() : scales};
   }
