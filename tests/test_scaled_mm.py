@@ -63,6 +63,26 @@ def test_bias(bias_dtype, out_dtype, m, cpu_variant):
     _check(*_operands(m, 64, 37), bias=bias, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 33, 65, 100, 513])  # dot, skinny/stream, tile/full-K; odd row groups
+@pytest.mark.parametrize("k, n", [(64, 70), (576, 45), (2100, 33)])  # partial column groups; the AMX panel kernel
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block"])
+def test_16bit_outputs_are_the_float32_result_rounded_once(m, k, n, scheme, cpu_variant):
+    # every element, not a matrix norm: the 16-bit epilogues (scaled, biased and rounded
+    # by column, then transposed as 16-bit values) must give exactly the float32 path's
+    # values rounded once, so a misplaced, swapped or unwritten element fails
+    if scheme == "block":
+        a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
+        b, scale_b = w.t(), scale_w.t()
+    else:
+        a, b, scale_a, scale_b = _operands(m, k, n, per_row=scheme == "row")
+    bias = torch.randn(n).to(torch.bfloat16)
+    full = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.float32)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+        assert torch.equal(out, full.to(out_dtype)), (out_dtype, (out != full.to(out_dtype)).nonzero()[:5].tolist())
+
+
 def test_any_strides(cpu_variant):
     a, b, scale_a, scale_b = _operands(20, 70, 30)
     big_a = torch.zeros(40, 140, dtype=a.dtype)

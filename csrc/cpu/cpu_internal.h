@@ -67,6 +67,11 @@ static inline fp8_sums_layout fp8_sums_by_column(int64_t rows) {
 /* Sums -> out rows [m_begin, m_end) x columns [n0, n0 + cols), scaled, biased, rounded. */
 void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, fp8_sums_layout layout,
                             int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols);
+/* One 16 x 16 block of it: rows m_begin + r0.., columns n0 + c0.. (r0, c0 multiples of 16,
+ * r0 < m_end - m_begin, c0 < cols), so that a kernel can spread the epilogue of one
+ * block of the output among the tile products of the next. */
+void fp8_bf16_tile_epilogue16(const fp8_scaled_mm_params* p, const float* sums, fp8_sums_layout layout,
+                              int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols, int64_t r0, int64_t c0);
 
 /* The AMX kernels (gemm_amx.c): plan->variant picks the real tile instructions or
  * their C model; activations packed by fp8_bf16_prepare. Up to FP8_AMX_STREAM_MAX_ROWS
