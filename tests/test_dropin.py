@@ -69,6 +69,18 @@ def test_ops_on_meta_return_meta():
     assert out.device.type == "meta" and out.shape == (4, 17) and out.dtype == torch.float16
 
 
+@pytest.mark.parametrize("scheme", list(fp8linear.SCHEMES))
+@pytest.mark.parametrize("shape", [(33,), (5, 33), (2, 3, 33), (2, 1, 3, 33), (0, 33), (2, 0, 33)])
+def test_any_number_of_leading_dimensions(scheme, shape):
+    # as nn.Linear: [..., in_features] -> [..., out_features]
+    layer = small_layer(**fp8linear.SCHEMES[scheme])
+    x = torch.randn(shape)
+    out = layer(x)
+    assert out.shape == shape[:-1] + (layer.out_features,) and out.dtype == x.dtype
+    rows = x.reshape(-1, 33)
+    assert torch.equal(out.reshape(-1, layer.out_features), layer(rows))  # the same rows as one 2-D call
+
+
 # ---------------------------------------------------------------------------------------
 # autocast and dtype conversions of the model
 
