@@ -331,10 +331,12 @@ static int64_t full_k_chunk_rows(int64_t k_padded) {
   return rows < AMX_ROW_CHUNK ? rows : AMX_ROW_CHUNK;
 }
 
-/* A finished 32 x 32 block whose epilogue (scale, bias, rounding, store: ~20% of the
- * kernel's time at K = 576 when it ran between the tile products) is spread among the
- * tile products of the next block, one 16 x 16 piece at a time, from a buffer of its
- * own: the vector ports work while the AMX unit multiplies. */
+/* A finished 32 x 32 block whose epilogue (scale, bias, rounding, store) is spread among
+ * the tile products of the next block, one 16 x 16 piece at a time, from a buffer of its
+ * own. Leaving the epilogue out (wrong results) made this kernel 1.3x faster at K = 576
+ * and 1.8x at K = 128 (M = 2048, Intel Xeon with AMX, 2 threads); spread like this it
+ * overlaps the tile products only in part: 3-6% faster than between blocks at
+ * M = 512, K = 576-1536, within +-3% at M = 2048. */
 typedef struct {
   const float* sums;      /* its tiles (or K-blocked totals), [weight group][activation group][16][16] */
   int64_t m_begin, m_end; /* its rows */
