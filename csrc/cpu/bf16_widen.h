@@ -1,5 +1,7 @@
 /* fp8 -> bf16 widening in AVX-512 registers, shared by the AVX512-BF16 kernels
- * (gemm_avx512_bf16.c) and the AMX kernels (gemm_amx.c). Only csrc/cpu/ includes this.
+ * (gemm_avx512_bf16.c), their epilogue (gemm_bf16_epilogue.c) and the AMX kernels
+ * (gemm_amx.c), with the 16 x 16 float transpose that activation packing and the
+ * epilogues share. Only csrc/cpu/ includes this.
  *
  * 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte table lookups
  * (vpermt2b: high and low byte of each bf16, indexed by the 7 magnitude bits), the
@@ -96,6 +98,33 @@ BF16_TARGET ALWAYS_INLINE __m512 fp8_block_scale_a16(const fp8_scaled_mm_params*
  * valid scale, their outputs are never stored). */
 ALWAYS_INLINE float fp8_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
   return fp8_k_block_scale_b(p, n < p->n ? n : p->n - 1, kb);
+}
+
+/* ---- in-register transpose (activation packing, epilogues) --------------- */
+
+/* In-register transpose of 16 x 16 floats: r[i][j] -> r[j][i] (64 shuffles). */
+BF16_TARGET ALWAYS_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) { /* per 128-bit lane: pairs of rows interleaved */
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) { /* u[4g + q], lane L: column 4L + q of rows 4g..4g+3 */
+    const __m512d t0 = _mm512_castps_pd(t[4 * g]), t1 = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * g + 2]), t3 = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int q = 0; q < 4; ++q) { /* gather lane L of u[q], u[4+q], u[8+q], u[12+q] */
+    const __m512 v0 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x44), v1 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xEE);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x44), w1 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xEE);
+    r[q] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[4 + q] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[8 + q] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[12 + q] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
 }
 
 #endif
