@@ -342,7 +342,8 @@ class FP8Linear(nn.Module):
         # Decode calls small layers hundreds of times per token: the Python here costs
         # as much as the kernels for SmolLM2's 576 x 576, so nothing is done twice. The
         # parameters and buffers are read from their dicts once each: through
-        # nn.Module.__getattr__ each read cost ~0.5 us, 2 us of a 17 us call (64 x 64, M = 1).
+        # nn.Module.__getattr__ each of five reads cost ~0.5 us; reading them once saved
+        # 1.4 us of a 16.7 us call (64 x 64, M = 1, Intel Xeon with AMX).
         parameters, buffers = self._parameters, self._buffers
         weight, bias = parameters["weight"], parameters["bias"]
         device = x.device
