@@ -3,11 +3,20 @@
 // or bias cuBLASLt lacks, and every GPU from sm_80 (the up-conversion path).
 //
 // A block computes a kBlockM x 128 tile of out, 8 warps as 2 x 4 (warp tile
-// kBlockM/2 x 32). K advances in 64-element slices staged through registers into
-// double-buffered shared memory: the next slice's global loads are in flight while the
-// tensor cores work on the current one, with one barrier per slice. The loader
-// (mma.cuh) reads unaligned rows with 4-byte loads and funnel shifts, so unaligned K
-// costs extra load instructions but no extra DRAM traffic.
+// kBlockM/2 x 32). K advances in 64-element slices through double-buffered shared
+// memory: the next slice's loads are in flight while the tensor cores work on the
+// current one, with one barrier per slice. When both operands are 16-byte aligned
+// (rows, strides, K) the slices go global -> shared by cp.async, without registers;
+// otherwise they are staged in registers, read by the loader of mma.cuh (4-byte loads
+// and funnel shifts: unaligned K costs extra load instructions, no extra DRAM traffic).
+// A warp then loads its column operand and one row tile's operands at a time.
+//
+// Registers (ptxas -v, sm_90a, fp8 x fp8, 128-row tiles): 152 with cp.async, 188 staged
+// through registers (189 before either change, all row tiles' operands held together).
+// Both still mean one 256-thread block per SM (two need <= 128, which spills the 64
+// float32 sums and the mma products that are added to them): the occupancy, and whether
+// Hopper's mma.sync fp8 (ptxas lowers it to a conversion and two f16 HMMA there; sm_89
+// has a native fp8 mma.sync) is worth a wgmma kernel, are for a GPU run to measure.
 //
 // Per 64-slice and warp: 32 fp8 mma.sync (kBlockM = 128), 128 FADDs that keep the
 // sums in float32 (mma.cuh), 12 shared-memory 16-byte loads; 16 KB of operands per
@@ -49,7 +58,25 @@ struct TileShape {
   static constexpr int kWeightPieces = kBlockN * kSliceElements / 16 / kThreads;
 };
 
-template <class ActivationKind, class WeightKind, bool kWiden, bool kBlocked>
+// 16 bytes global -> shared without registers (cp.async, sm_80+), cached in L2 only;
+// `bytes` 0 writes 16 zero bytes and reads nothing (a piece past the end of a row or
+// beyond the last row: `global` then only needs to be some valid address).
+__device__ __forceinline__ void copy_async16(void* shared, const void* global, bool inside) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(inside ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void copies_commit_and_wait() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// kAsync: both operands 16-byte aligned (rows, strides and K), so that every 16-byte
+// piece is wholly inside or wholly past its row: the slices go from global to shared
+// memory with cp.async. Otherwise they are assembled in registers (load_row_bytes) and
+// stored to shared memory after the current slice's products.
+template <class ActivationKind, class WeightKind, bool kWiden, bool kBlocked, bool kAsync>
 __global__ void __launch_bounds__(kThreads)
     gemm_kernel(fp8_scaled_mm_params p, bool activation_aligned, bool weight_aligned) {
   using Shape = TileShape<ActivationKind, kBlocked>;
@@ -66,39 +93,74 @@ __global__ void __launch_bounds__(kThreads)
   const uint8_t* activation = static_cast<const uint8_t*>(p.a);
   const int64_t activation_row_bytes = p.k * ActivationKind::kBytes;
 
-  // Global -> registers: piece i of this thread is tile row (threadIdx.x + i * 256) / pieces-per-row.
-  uint4 activation_stage[Shape::kActivationPieces], weight_stage[Shape::kWeightPieces];
+  // Piece i of this thread is tile row (threadIdx.x + i * 256) / pieces-per-row.
+  auto activation_piece = [&](int i, int64_t slice, int64_t& m, int64_t& offset, int& shared_offset) {
+    const int piece = threadIdx.x + i * kThreads;
+    m = m0 + piece / kPiecesPerActivationRow;
+    offset = slice * kSliceElements * ActivationKind::kBytes + (piece % kPiecesPerActivationRow) * 16;
+    shared_offset = (piece / kPiecesPerActivationRow) * Shape::kActivationPitch + (piece % kPiecesPerActivationRow) * 16;
+  };
+  auto weight_piece = [&](int i, int64_t slice, int64_t& n, int64_t& offset, int& shared_offset) {
+    const int piece = threadIdx.x + i * kThreads;
+    n = n0 + piece / kPiecesPerWeightRow;
+    offset = slice * kSliceElements + (piece % kPiecesPerWeightRow) * 16;
+    shared_offset = (piece / kPiecesPerWeightRow) * Shape::kWeightPitch + (piece % kPiecesPerWeightRow) * 16;
+  };
+  // kAsync: slice -> shared buffer `buffer`, in flight until copies_commit_and_wait
+  auto copy_slice = [&](int64_t slice, int buffer) {
+#pragma unroll
+    for (int i = 0; i < Shape::kActivationPieces; ++i) {
+      int64_t m, offset;
+      int shared_offset;
+      activation_piece(i, slice, m, offset, shared_offset);
+      const bool inside = m < p.m && offset < activation_row_bytes;
+      copy_async16(&activation_tile[buffer][shared_offset],
+                   inside ? activation + m * p.a_row_stride * ActivationKind::kBytes + offset : activation, inside);
+    }
+#pragma unroll
+    for (int i = 0; i < Shape::kWeightPieces; ++i) {
+      int64_t n, offset;
+      int shared_offset;
+      weight_piece(i, slice, n, offset, shared_offset);
+      const bool inside = n < p.n && offset < p.k;
+      copy_async16(&weight_tile[buffer][shared_offset], inside ? p.b + n * p.b_col_stride + offset : p.b, inside);
+    }
+  };
+  // !kAsync: global -> registers, then registers -> shared
+  uint4 activation_stage[kAsync ? 1 : Shape::kActivationPieces], weight_stage[kAsync ? 1 : Shape::kWeightPieces];
   auto load_stage = [&](int64_t slice) {
 #pragma unroll
     for (int i = 0; i < Shape::kActivationPieces; ++i) {
-      const int piece = threadIdx.x + i * kThreads;
-      const int64_t m = m0 + piece / kPiecesPerActivationRow;
-      const int64_t offset = slice * kSliceElements * ActivationKind::kBytes + (piece % kPiecesPerActivationRow) * 16;
+      int64_t m, offset;
+      int shared_offset;
+      activation_piece(i, slice, m, offset, shared_offset);
       activation_stage[i] = m < p.m ? load_row_bytes<false>(activation + m * p.a_row_stride * ActivationKind::kBytes,
                                                             offset, activation_row_bytes, activation_aligned)
                                     : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < Shape::kWeightPieces; ++i) {
-      const int piece = threadIdx.x + i * kThreads;
-      const int64_t n = n0 + piece / kPiecesPerWeightRow;
-      const int64_t offset = slice * kSliceElements + (piece % kPiecesPerWeightRow) * 16;
+      int64_t n, offset;
+      int shared_offset;
+      weight_piece(i, slice, n, offset, shared_offset);
       weight_stage[i] = n < p.n ? load_row_bytes<false>(p.b + n * p.b_col_stride, offset, p.k, weight_aligned)
                                 : make_uint4(0, 0, 0, 0);
     }
   };
-  auto store_stage = [&](int buffer) {
+  auto store_stage = [&](int64_t slice, int buffer) {
 #pragma unroll
     for (int i = 0; i < Shape::kActivationPieces; ++i) {
-      const int piece = threadIdx.x + i * kThreads;
-      *reinterpret_cast<uint4*>(&activation_tile[buffer][(piece / kPiecesPerActivationRow) * Shape::kActivationPitch +
-                                                         (piece % kPiecesPerActivationRow) * 16]) = activation_stage[i];
+      int64_t m, offset;
+      int shared_offset;
+      activation_piece(i, slice, m, offset, shared_offset);
+      *reinterpret_cast<uint4*>(&activation_tile[buffer][shared_offset]) = activation_stage[i];
     }
 #pragma unroll
     for (int i = 0; i < Shape::kWeightPieces; ++i) {
-      const int piece = threadIdx.x + i * kThreads;
-      *reinterpret_cast<uint4*>(&weight_tile[buffer][(piece / kPiecesPerWeightRow) * Shape::kWeightPitch +
-                                                     (piece % kPiecesPerWeightRow) * 16]) = weight_stage[i];
+      int64_t n, offset;
+      int shared_offset;
+      weight_piece(i, slice, n, offset, shared_offset);
+      *reinterpret_cast<uint4*>(&weight_tile[buffer][shared_offset]) = weight_stage[i];
     }
   };
   auto read_slice = [&](auto& slice, const uint8_t* tile_row) {
@@ -121,36 +183,56 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kSlicesPerBlock = FP8_SCALE_BLOCK / kSliceElements;
   const int64_t slices = ceil_div(p.k, kSliceElements);
   if (slices > 0) {
-    load_stage(0);
-    store_stage(0);
+    if constexpr (kAsync) {
+      copy_slice(0, 0);
+      copies_commit_and_wait();
+    } else {
+      load_stage(0);
+      store_stage(0, 0);
+    }
   }
   __syncthreads();
   for (int64_t slice = 0; slice < slices; ++slice) {
     const int buffer = static_cast<int>(slice & 1);
     const bool has_next = slice + 1 < slices;
-    if (has_next) load_stage(slice + 1);
+    // The other buffer was last read in the previous iteration, before its barrier.
+    if (has_next) {
+      if constexpr (kAsync) {
+        copy_slice(slice + 1, buffer ^ 1);
+      } else {
+        load_stage(slice + 1);
+      }
+    }
 
-    Slice<ActivationKind> lo[Shape::kWarpTilesM], hi[Shape::kWarpTilesM];
-    Slice<WeightKind> columns[Shape::kWarpTilesN];
+    // The column operand for the whole slice, then one row tile at a time (a third of the
+    // registers that all row tiles' operands take).
+    Slice<WeightKind> column_slices[Shape::kWarpTilesN];
+#pragma unroll
+    for (int j = 0; j < Shape::kWarpTilesN; ++j) {
+      read_slice(column_slices[j], &weight_tile[buffer][(warp_n * 32 + 8 * j + group) * Shape::kWeightPitch]);
+    }
+    const ColumnOperand<ActivationKind, WeightKind, kWiden, Shape::kWarpTilesN> columns(column_slices);
 #pragma unroll
     for (int i = 0; i < Shape::kWarpTilesM; ++i) {
       const int row = warp_m * (kBlockM / 2) + 16 * i + group;
-      read_slice(lo[i], &activation_tile[buffer][row * Shape::kActivationPitch]);
-      read_slice(hi[i], &activation_tile[buffer][(row + 8) * Shape::kActivationPitch]);
+      Slice<ActivationKind> lo, hi;
+      read_slice(lo, &activation_tile[buffer][row * Shape::kActivationPitch]);
+      read_slice(hi, &activation_tile[buffer][(row + 8) * Shape::kActivationPitch]);
+      mma_row_tile<ActivationKind, WeightKind, kWiden>(acc[i], lo, hi, columns);
     }
-#pragma unroll
-    for (int j = 0; j < Shape::kWarpTilesN; ++j) {
-      read_slice(columns[j], &weight_tile[buffer][(warp_n * 32 + 8 * j + group) * Shape::kWeightPitch]);
-    }
-    mma_slice<ActivationKind, WeightKind, kWiden>(acc, lo, hi, columns);
     if constexpr (kBlocked) {
       if (slice % kSlicesPerBlock == kSlicesPerBlock - 1 || !has_next) {
         add_scaled_block(total, acc, p, row0, col0, true, slice / kSlicesPerBlock);
       }
     }
 
-    // The other buffer was last read in the previous iteration, before its barrier.
-    if (has_next) store_stage(buffer ^ 1);
+    if (has_next) {
+      if constexpr (kAsync) {
+        copies_commit_and_wait();
+      } else {
+        store_stage(slice + 1, buffer ^ 1);
+      }
+    }
     __syncthreads();
   }
 
@@ -180,8 +262,11 @@ const char* launch_with_shape(const fp8_scaled_mm_params* p, cudaStream_t stream
                       static_cast<long long>(p->n));
   }
   const dim3 grid(static_cast<unsigned>(blocks_n), static_cast<unsigned>(blocks_m));
-  gemm_kernel<ActivationKind, WeightKind, kWiden, kBlocked>
-      <<<grid, kThreads, 0, stream>>>(*p, activation_aligned, weight_aligned);
+  if (activation_aligned && weight_aligned) {
+    gemm_kernel<ActivationKind, WeightKind, kWiden, kBlocked, true><<<grid, kThreads, 0, stream>>>(*p, true, true);
+  } else {
+    gemm_kernel<ActivationKind, WeightKind, kWiden, kBlocked, false><<<grid, kThreads, 0, stream>>>(*p, activation_aligned, weight_aligned);
+  }
   return check_launch(kWiden ? "gemm_kernel (widening)" : "gemm_kernel (fp8 tensor cores)");
 }
 

@@ -41,7 +41,10 @@ __global__ void __launch_bounds__(kThreads)
   // Slices loaded ahead per warp, so each thread keeps ~128 bytes in flight at M = 1;
   // fewer when the activation registers of many tokens leave no room.
   constexpr int kActivationBytes = kTokenTiles * ActivationKind::kBytes;  // a thread's bytes per k-element
-  constexpr int kLoadsAhead = kActivationBytes <= 2 ? 4 : kActivationBytes <= 8 ? 2 : 1;
+  // widened fp8 activations are held as 16-bit values (two token tiles, four slices
+  // ahead: 128 registers and spills at sm_80)
+  constexpr int kHeldBytes = kTokenTiles * (kWiden ? 2 : ActivationKind::kBytes);
+  constexpr int kLoadsAhead = kActivationBytes <= 2 && kHeldBytes <= 2 ? 4 : kActivationBytes <= 8 ? 2 : 1;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, thread_in_group = lane % 4;

@@ -190,54 +190,107 @@ __device__ __forceinline__ uint32_t pair_as(const Slice<Kind>& slice, int p) {
   }
 }
 
+// One k step of a 64-element slice for one row tile: acc[j] += rows x columns(8j..).
+// `lo` / `hi` are this thread's elements of the tile's rows groupID and groupID + 8.
+// The fp8 mma (sm_89+, !kWiden) takes two k32 steps, step s bytes [8s, 8s + 8) of each
+// thread's 16, from the column slices as loaded; the 16-bit mma (kWiden: both operands
+// widened, sm_80+) four k16 steps, step s elements [4s, 4s + 4) as pairs 2s and 2s + 1,
+// from the columns' pairs widened for that step (widen_columns).
+template <class RowKind, class ColumnKind, int kColumnTiles>
+__device__ __forceinline__ void mma_fp8_step(float (&acc)[kColumnTiles][4], const Slice<RowKind>& lo,
+                                             const Slice<RowKind>& hi, const Slice<ColumnKind> (&column)[kColumnTiles],
+                                             int s) {
+  static_assert(RowKind::kBytes == 1 && ColumnKind::kBytes == 1, "the fp8 mma takes fp8 operands");
+  const uint32_t a[4] = {lo.word[2 * s], hi.word[2 * s], lo.word[2 * s + 1], hi.word[2 * s + 1]};
+#pragma unroll
+  for (int j = 0; j < kColumnTiles; ++j) {
+    const uint32_t b[2] = {column[j].word[2 * s], column[j].word[2 * s + 1]};
+    float product[4];
+    mma_fp8<RowKind::kFormat, ColumnKind::kFormat>(product, a, b);
+    add_product(acc[j], product);
+  }
+}
+
+template <class RowKind, class ColumnKind, int kColumnTiles>
+__device__ __forceinline__ void widen_columns(uint32_t (&b)[kColumnTiles][2], const Slice<ColumnKind> (&column)[kColumnTiles],
+                                              int s) {
+  using Compute = WidenedKind<RowKind, ColumnKind>;
+#pragma unroll
+  for (int j = 0; j < kColumnTiles; ++j) {
+    b[j][0] = pair_as<Compute>(column[j], 2 * s);
+    b[j][1] = pair_as<Compute>(column[j], 2 * s + 1);
+  }
+}
+
+template <class RowKind, class ColumnKind, int kColumnTiles>
+__device__ __forceinline__ void mma_16bit_step(float (&acc)[kColumnTiles][4], const Slice<RowKind>& lo,
+                                               const Slice<RowKind>& hi, const uint32_t (&b)[kColumnTiles][2], int s) {
+  using Compute = WidenedKind<RowKind, ColumnKind>;
+  const uint32_t a[4] = {pair_as<Compute>(lo, 2 * s), pair_as<Compute>(hi, 2 * s), pair_as<Compute>(lo, 2 * s + 1),
+                         pair_as<Compute>(hi, 2 * s + 1)};
+#pragma unroll
+  for (int j = 0; j < kColumnTiles; ++j) {
+    float product[4];
+    mma_16bit<Compute>(product, a, b[j]);
+    add_product(acc[j], product);
+  }
+}
+
 // acc[i][j] += rows(16i.., k slice) x columns(8j.., k slice) for one 64-element slice of
-// k. `lo[i]` / `hi[i]` are this thread's elements of row-tile i's rows groupID and
+// k: `lo[i]` / `hi[i]` are this thread's elements of row-tile i's rows groupID and
 // groupID + 8, `column[j]` of column-tile j's column groupID. kWiden: both operands
 // through 16-bit mma (sm_80+); otherwise both are fp8 and use the fp8 mma (sm_89+).
+// Step by step over all row tiles: each column is widened once per step, not once per
+// row tile it meets.
 template <class RowKind, class ColumnKind, bool kWiden, int kRowTiles, int kColumnTiles>
 __device__ __forceinline__ void mma_slice(float (&acc)[kRowTiles][kColumnTiles][4], const Slice<RowKind> (&lo)[kRowTiles],
                                           const Slice<RowKind> (&hi)[kRowTiles],
                                           const Slice<ColumnKind> (&column)[kColumnTiles]) {
-  if constexpr (!kWiden) {
-    static_assert(RowKind::kBytes == 1 && ColumnKind::kBytes == 1, "the fp8 mma takes fp8 operands");
-    // Two k32 steps: step s uses bytes [8s, 8s + 8) of each thread's 16.
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-#pragma unroll
-      for (int i = 0; i < kRowTiles; ++i) {
-        const uint32_t a[4] = {lo[i].word[2 * s], hi[i].word[2 * s], lo[i].word[2 * s + 1], hi[i].word[2 * s + 1]};
-#pragma unroll
-        for (int j = 0; j < kColumnTiles; ++j) {
-          const uint32_t b[2] = {column[j].word[2 * s], column[j].word[2 * s + 1]};
-          float product[4];
-          mma_fp8<RowKind::kFormat, ColumnKind::kFormat>(product, a, b);
-          add_product(acc[i][j], product);
-        }
-      }
-    }
-  } else {
-    using Compute = WidenedKind<RowKind, ColumnKind>;
-    // Four k16 steps: step s uses elements [4s, 4s + 4), as pairs 2s and 2s + 1. Each
-    // operand is widened once per step, not once per tile it meets.
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < (kWiden ? 4 : 2); ++s) {
+    if constexpr (kWiden) {
       uint32_t b[kColumnTiles][2];
+      widen_columns<RowKind>(b, column, s);
 #pragma unroll
-      for (int j = 0; j < kColumnTiles; ++j) {
-        b[j][0] = pair_as<Compute>(column[j], 2 * s);
-        b[j][1] = pair_as<Compute>(column[j], 2 * s + 1);
-      }
+      for (int i = 0; i < kRowTiles; ++i) mma_16bit_step<RowKind, ColumnKind>(acc[i], lo[i], hi[i], b, s);
+    } else {
 #pragma unroll
-      for (int i = 0; i < kRowTiles; ++i) {
-        const uint32_t a[4] = {pair_as<Compute>(lo[i], 2 * s), pair_as<Compute>(hi[i], 2 * s),
-                               pair_as<Compute>(lo[i], 2 * s + 1), pair_as<Compute>(hi[i], 2 * s + 1)};
+      for (int i = 0; i < kRowTiles; ++i) mma_fp8_step(acc[i], lo[i], hi[i], column, s);
+    }
+  }
+}
+
+// The column operand of one slice for row tiles taken one at a time (mma_row_tile): a
+// GEMM's warp then holds one row tile's operands at once, not all of them (4 row tiles
+// x 2 rows x 4 registers: a third of its registers besides the sums). The fp8 mma takes
+// the slices as loaded; kWiden keeps every step's widened pairs, widened once here.
+template <class RowKind, class ColumnKind, bool kWiden, int kColumnTiles>
+struct ColumnOperand {
+  const Slice<ColumnKind> (&slice)[kColumnTiles];
+  __device__ __forceinline__ explicit ColumnOperand(const Slice<ColumnKind> (&column)[kColumnTiles]) : slice(column) {}
+};
+
+template <class RowKind, class ColumnKind, int kColumnTiles>
+struct ColumnOperand<RowKind, ColumnKind, true, kColumnTiles> {
+  uint32_t pair[4][kColumnTiles][2];  // [k16 step][column tile][mma B register]
+  __device__ __forceinline__ explicit ColumnOperand(const Slice<ColumnKind> (&column)[kColumnTiles]) {
 #pragma unroll
-        for (int j = 0; j < kColumnTiles; ++j) {
-          float product[4];
-          mma_16bit<Compute>(product, a, b[j]);
-          add_product(acc[i][j], product);
-        }
-      }
+    for (int s = 0; s < 4; ++s) widen_columns<RowKind>(pair[s], column, s);
+  }
+};
+
+// mma_slice's products for one row tile, added to each acc[j] in the same order (k
+// step by k step), so that taking the row tiles one at a time changes no bit.
+template <class RowKind, class ColumnKind, bool kWiden, int kColumnTiles>
+__device__ __forceinline__ void mma_row_tile(float (&acc)[kColumnTiles][4], const Slice<RowKind>& lo,
+                                             const Slice<RowKind>& hi,
+                                             const ColumnOperand<RowKind, ColumnKind, kWiden, kColumnTiles>& columns) {
+#pragma unroll
+  for (int s = 0; s < (kWiden ? 4 : 2); ++s) {
+    if constexpr (kWiden) {
+      mma_16bit_step<RowKind, ColumnKind>(acc, lo, hi, columns.pair[s], s);
+    } else {
+      mma_fp8_step(acc, lo, hi, columns.slice, s);
     }
   }
 }

@@ -206,15 +206,20 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
     const int64_t row = first_row + threadIdx.y;
     const bool active = row < args.rows;
     Chunk<kDtype> held[kHeldChunks];
-    int held_count[kHeldChunks];
-#pragma unroll
-    for (int i = 0; i < kHeldChunks; ++i) {
+    // a held chunk's valid elements, recomputed where needed rather than held (8 more
+    // registers made the float32 kernel spill at sm_80 and sm_89)
+    auto held_count = [&](int i) {
       const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      held_count[i] = active && c < chunks ? load_chunk(args, row, c, held[i]) : 0;
-    }
+      const int64_t left = args.cols - c * Chunk<kDtype>::kSize;
+      return active && c < chunks ? static_cast<int>(left < Chunk<kDtype>::kSize ? left : Chunk<kDtype>::kSize) : 0;
+    };
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kHeldChunks; ++i) amax = chunk_amax(held[i], held_count[i], amax);
+    for (int i = 0; i < kHeldChunks; ++i) {
+      if (held_count(i) > 0) load_chunk(args, row, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, held[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kHeldChunks; ++i) amax = chunk_amax(held[i], held_count(i), amax);
     for (int64_t c = threadIdx.x + static_cast<int64_t>(kHeldChunks) * blockDim.x; active && c < chunks;
          c += blockDim.x) {
       Chunk<kDtype> chunk;
@@ -226,9 +231,10 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
     if (threadIdx.x == 0) row_scales[row] = scale;
 #pragma unroll
     for (int i = 0; i < kHeldChunks; ++i) {
-      if (held_count[i] > 0) {
-        quantize_chunk<kDtype, kFormat>(args, row, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, held[i],
-                                        held_count[i], scale);
+      const int count = held_count(i);
+      if (count > 0) {
+        quantize_chunk<kDtype, kFormat>(args, row, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, held[i], count,
+                                        scale);
       }
     }
     for (int64_t c = threadIdx.x + static_cast<int64_t>(kHeldChunks) * blockDim.x; c < chunks; c += blockDim.x) {
