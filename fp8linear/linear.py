@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import weakref
 
 import torch
 from torch import nn
@@ -86,18 +88,63 @@ _FROZEN_WEIGHT = ("FP8Linear's weight is fp8 and frozen: gradients for it are no
                   "get input gradients, or keep the layer an nn.Linear to train it.")
 
 
+class _LastQuantizedInput(threading.local):
+    """Per thread: the last dynamically quantized CPU input of an FP8Linear, so that the
+    layers a model feeds the same tensor (q, k and v; gate and up) quantize it once.
+
+    ``entry`` is ``(weak reference to the input, its version, (fp8 dtype, granularity),
+    (q, scale))``. A hit needs the same tensor object, unmodified since (torch's version
+    counter, which every in-place change bumps, through any view), and the same
+    quantization. The weak reference drops the entry when the input is freed, so the
+    quantized copy lives no longer than the input, and a new tensor at the same address
+    never matches. Inference-mode tensors have no version counter: they are never reused.
+    """
+
+    entry = None
+
+
+_LAST_QUANTIZED = _LastQuantizedInput()
+
+
+def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP8Config):
+    """ops.quantize_fp8 of x2d with dynamic scales; ``source`` (the layer's input, of
+    which x2d is the 2-D view) allows the reuse described in _LastQuantizedInput."""
+    granularity = _ACTIVATION_OP_GRANULARITY[config.activation_granularity]
+    key = (config.fp8_dtype, granularity)
+    reusable = (source is not None and not torch.compiler.is_compiling() and source.device.type == "cpu"
+                and not source.is_inference())
+    if not reusable:
+        return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+    holder = _LAST_QUANTIZED
+    entry = holder.entry
+    version = source._version
+    if entry is not None and entry[0]() is source and entry[1] == version and entry[2] == key:
+        return entry[3]
+    quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+    state = holder.__dict__  # this thread's: the callback may run on another thread
+
+    def forget(reference, state=state):
+        current = state.get("entry")
+        if current is not None and current[0] is reference:
+            state["entry"] = None
+
+    holder.entry = (weakref.ref(source, forget), version, key, quantized)
+    return quantized
+
+
 def _product(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-             activation_scale: torch.Tensor | None, config: FP8Config, out_dtype: torch.dtype) -> torch.Tensor:
+             activation_scale: torch.Tensor | None, config: FP8Config, out_dtype: torch.dtype,
+             source: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's output for a 2-D input: quantize the activations as config says (with
     ``activation_scale``: the static input_scale, or the unit scale of weight-only layers),
-    then one scaled_mm."""
+    then one scaled_mm. ``source``: the layer's input tensor, whose dynamic quantization may
+    be reused (_LastQuantizedInput)."""
     if config.activations == "none":
         a, scale_a = x2d, activation_scale
     elif config.activations == "static":
         a, scale_a = ops.quantize_fp8(x2d, activation_scale, dtype=config.fp8_dtype)
     else:
-        granularity = _ACTIVATION_OP_GRANULARITY[config.activation_granularity]
-        a, scale_a = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+        a, scale_a = _quantize_dynamic(x2d, source, config)
     # per-channel weight scales [N, 1] are the per-column scales [1, N] of w.t(), block
     # scales [N/128, K/128] the [K/128, N/128] of w.t(): both are weight_scale.t()
     scale_b = weight_scale.t() if weight_scale.dim() else weight_scale
@@ -379,7 +426,7 @@ class FP8Linear(nn.Module):
         if torch.is_grad_enabled() and (x2d.requires_grad or (bias is not None and bias.requires_grad)):
             out = _FP8LinearFunction.apply(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype)
         else:
-            out = _product(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype)
+            out = _product(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype, x)
         out = out if len(leading) == 1 else out.view(leading + (self.out_features,))
         return out if input_dtype != torch.float64 else out.to(torch.float64)
 
