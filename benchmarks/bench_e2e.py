@@ -118,7 +118,8 @@ def write_results(args, results, elapsed) -> pathlib.Path:
         "",
         f"Prefill: one forward pass over a {args.prompt_tokens}-token prompt (time to first token), "
         f"{args.rounds} rounds; decode: greedy generation of {args.new_tokens} tokens after a short prompt, "
-        f"{args.decode_rounds} rounds. The models run in alternation within each round; times are medians "
+        f"{args.decode_rounds} rounds, both under `torch.no_grad()` (as transformers' `generate`). The models "
+        "run in alternation within each round; times are medians "
         "over rounds and ratios medians of the per-round ratios. `per-tensor` (`quantize_model(model, \"fp8\")`'s "
         "default) is per-tensor weights with dynamic per-tensor activations, `per-channel` per-channel weights with dynamic per-token activations; "
         "lm_head stays bf16 (the default skip).",
