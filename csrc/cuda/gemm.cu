@@ -58,9 +58,9 @@ struct TileShape {
   static constexpr int kWeightPieces = kBlockN * kSliceElements / 16 / kThreads;
 };
 
-// 16 bytes global -> shared without registers (cp.async, sm_80+), cached in L2 only;
-// `bytes` 0 writes 16 zero bytes and reads nothing (a piece past the end of a row or
-// beyond the last row: `global` then only needs to be some valid address).
+// 16 bytes global -> shared without registers (cp.async, sm_80+), cached in L2 only.
+// !inside (a piece past the end of a row, or beyond the last row): a source size of 0,
+// so the 16 bytes are zeroed and nothing is read (`global` need only be a valid address).
 __device__ __forceinline__ void copy_async16(void* shared, const void* global, bool inside) {
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(inside ? 16 : 0)
