@@ -101,9 +101,22 @@ class _LastQuantizedInput(threading.local):
     """
 
     entry = None
+    forget = None  # this thread's weak-reference callback, made once (_quantize_dynamic)
 
 
 _LAST_QUANTIZED = _LastQuantizedInput()
+
+
+def _forget_callback(state: dict):
+    """The weak-reference callback that clears `state`'s entry (one thread's: the callback
+    may run on whichever thread frees the input) if it is still that reference's."""
+
+    def forget(reference):
+        current = state.get("entry")
+        if current is not None and current[0] is reference:
+            state["entry"] = None
+
+    return forget
 
 
 def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP8Config):
@@ -111,7 +124,7 @@ def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP
     which x2d is the 2-D view) allows the reuse described in _LastQuantizedInput."""
     granularity = _ACTIVATION_OP_GRANULARITY[config.activation_granularity]
     key = (config.fp8_dtype, granularity)
-    reusable = (source is not None and not torch.compiler.is_compiling() and source.device.type == "cpu"
+    reusable = (source is not None and not torch.compiler.is_compiling() and source.is_cpu
                 and not source.is_inference())
     if not reusable:
         return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
@@ -121,13 +134,9 @@ def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP
     if entry is not None and entry[0]() is source and entry[1] == version and entry[2] == key:
         return entry[3]
     quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-    state = holder.__dict__  # this thread's: the callback may run on another thread
-
-    def forget(reference, state=state):
-        current = state.get("entry")
-        if current is not None and current[0] is reference:
-            state["entry"] = None
-
+    forget = holder.forget
+    if forget is None:
+        forget = holder.forget = _forget_callback(holder.__dict__)
     holder.entry = (weakref.ref(source, forget), version, key, quantized)
     return quantized
 
