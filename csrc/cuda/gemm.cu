@@ -93,75 +93,63 @@ __global__ void __launch_bounds__(kThreads)
   const uint8_t* activation = static_cast<const uint8_t*>(p.a);
   const int64_t activation_row_bytes = p.k * ActivationKind::kBytes;
 
-  // Piece i of this thread is tile row (threadIdx.x + i * 256) / pieces-per-row.
-  auto activation_piece = [&](int i, int64_t slice, int64_t& m, int64_t& offset, int& shared_offset) {
-    const int piece = threadIdx.x + i * kThreads;
-    m = m0 + piece / kPiecesPerActivationRow;
-    offset = slice * kSliceElements * ActivationKind::kBytes + (piece % kPiecesPerActivationRow) * 16;
-    shared_offset = (piece / kPiecesPerActivationRow) * Shape::kActivationPitch + (piece % kPiecesPerActivationRow) * 16;
-  };
-  auto weight_piece = [&](int i, int64_t slice, int64_t& n, int64_t& offset, int& shared_offset) {
-    const int piece = threadIdx.x + i * kThreads;
-    n = n0 + piece / kPiecesPerWeightRow;
-    offset = slice * kSliceElements + (piece % kPiecesPerWeightRow) * 16;
-    shared_offset = (piece / kPiecesPerWeightRow) * Shape::kWeightPitch + (piece % kPiecesPerWeightRow) * 16;
-  };
-  // kAsync: slice -> shared buffer `buffer`, in flight until copies_commit_and_wait
-  auto copy_slice = [&](int64_t slice, int buffer) {
+  // Visits this thread's 16-byte pieces of slice `slice`: piece i of the activation tile
+  // (tile row (threadIdx.x + i * 256) / pieces-per-row) as activation(i, its row m, its
+  // byte offset in that row, its offset in the shared tile), then the weight tile's as
+  // weight(i, n, offset, shared offset).
+  auto for_each_piece = [&](int64_t slice, auto&& activation_fn, auto&& weight_fn) {
 #pragma unroll
     for (int i = 0; i < Shape::kActivationPieces; ++i) {
-      int64_t m, offset;
-      int shared_offset;
-      activation_piece(i, slice, m, offset, shared_offset);
-      const bool inside = m < p.m && offset < activation_row_bytes;
-      copy_async16(&activation_tile[buffer][shared_offset],
-                   inside ? activation + m * p.a_row_stride * ActivationKind::kBytes + offset : activation, inside);
+      const int piece = threadIdx.x + i * kThreads;
+      activation_fn(i, m0 + piece / kPiecesPerActivationRow,
+                    slice * kSliceElements * ActivationKind::kBytes + (piece % kPiecesPerActivationRow) * 16,
+                    (piece / kPiecesPerActivationRow) * Shape::kActivationPitch + (piece % kPiecesPerActivationRow) * 16);
     }
 #pragma unroll
     for (int i = 0; i < Shape::kWeightPieces; ++i) {
-      int64_t n, offset;
-      int shared_offset;
-      weight_piece(i, slice, n, offset, shared_offset);
-      const bool inside = n < p.n && offset < p.k;
-      copy_async16(&weight_tile[buffer][shared_offset], inside ? p.b + n * p.b_col_stride + offset : p.b, inside);
+      const int piece = threadIdx.x + i * kThreads;
+      weight_fn(i, n0 + piece / kPiecesPerWeightRow, slice * kSliceElements + (piece % kPiecesPerWeightRow) * 16,
+                (piece / kPiecesPerWeightRow) * Shape::kWeightPitch + (piece % kPiecesPerWeightRow) * 16);
     }
+  };
+  // kAsync: slice -> shared buffer `buffer`, in flight until copies_commit_and_wait
+  auto copy_slice = [&](int64_t slice, int buffer) {
+    for_each_piece(
+        slice,
+        [&](int, int64_t m, int64_t offset, int shared_offset) {
+          const bool inside = m < p.m && offset < activation_row_bytes;
+          copy_async16(&activation_tile[buffer][shared_offset],
+                       inside ? activation + m * p.a_row_stride * ActivationKind::kBytes + offset : activation, inside);
+        },
+        [&](int, int64_t n, int64_t offset, int shared_offset) {
+          const bool inside = n < p.n && offset < p.k;
+          copy_async16(&weight_tile[buffer][shared_offset], inside ? p.b + n * p.b_col_stride + offset : p.b, inside);
+        });
   };
   // !kAsync: global -> registers, then registers -> shared
   uint4 activation_stage[kAsync ? 1 : Shape::kActivationPieces], weight_stage[kAsync ? 1 : Shape::kWeightPieces];
   auto load_stage = [&](int64_t slice) {
-#pragma unroll
-    for (int i = 0; i < Shape::kActivationPieces; ++i) {
-      int64_t m, offset;
-      int shared_offset;
-      activation_piece(i, slice, m, offset, shared_offset);
-      activation_stage[i] = m < p.m ? load_row_bytes<false>(activation + m * p.a_row_stride * ActivationKind::kBytes,
-                                                            offset, activation_row_bytes, activation_aligned)
+    for_each_piece(
+        slice,
+        [&](int i, int64_t m, int64_t offset, int) {
+          activation_stage[i] = m < p.m ? load_row_bytes<false>(activation + m * p.a_row_stride * ActivationKind::kBytes,
+                                                                offset, activation_row_bytes, activation_aligned)
+                                        : make_uint4(0, 0, 0, 0);
+        },
+        [&](int i, int64_t n, int64_t offset, int) {
+          weight_stage[i] = n < p.n ? load_row_bytes<false>(p.b + n * p.b_col_stride, offset, p.k, weight_aligned)
                                     : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < Shape::kWeightPieces; ++i) {
-      int64_t n, offset;
-      int shared_offset;
-      weight_piece(i, slice, n, offset, shared_offset);
-      weight_stage[i] = n < p.n ? load_row_bytes<false>(p.b + n * p.b_col_stride, offset, p.k, weight_aligned)
-                                : make_uint4(0, 0, 0, 0);
-    }
+        });
   };
   auto store_stage = [&](int64_t slice, int buffer) {
-#pragma unroll
-    for (int i = 0; i < Shape::kActivationPieces; ++i) {
-      int64_t m, offset;
-      int shared_offset;
-      activation_piece(i, slice, m, offset, shared_offset);
-      *reinterpret_cast<uint4*>(&activation_tile[buffer][shared_offset]) = activation_stage[i];
-    }
-#pragma unroll
-    for (int i = 0; i < Shape::kWeightPieces; ++i) {
-      int64_t n, offset;
-      int shared_offset;
-      weight_piece(i, slice, n, offset, shared_offset);
-      *reinterpret_cast<uint4*>(&weight_tile[buffer][shared_offset]) = weight_stage[i];
-    }
+    for_each_piece(
+        slice,
+        [&](int i, int64_t, int64_t, int shared_offset) {
+          *reinterpret_cast<uint4*>(&activation_tile[buffer][shared_offset]) = activation_stage[i];
+        },
+        [&](int i, int64_t, int64_t, int shared_offset) {
+          *reinterpret_cast<uint4*>(&weight_tile[buffer][shared_offset]) = weight_stage[i];
+        });
   };
   auto read_slice = [&](auto& slice, const uint8_t* tile_row) {
     constexpr int kBytes = sizeof(slice.word) / 16;

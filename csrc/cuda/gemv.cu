@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads)
   // widened fp8 activations are held as 16-bit values (two token tiles, four slices
   // ahead: 128 registers and spills at sm_80)
   constexpr int kHeldBytes = kTokenTiles * (kWiden ? 2 : ActivationKind::kBytes);
-  constexpr int kLoadsAhead = kActivationBytes <= 2 && kHeldBytes <= 2 ? 4 : kActivationBytes <= 8 ? 2 : 1;
+  constexpr int kLoadsAhead = kHeldBytes <= 2 ? 4 : kActivationBytes <= 8 ? 2 : 1;  // (kHeldBytes >= kActivationBytes)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, thread_in_group = lane % 4;

@@ -43,13 +43,21 @@ __host__ __device__ constexpr int chunk_size() {
   return Chunk<kDtype>::kSize;
 }
 
-// Loads chunk `chunk` of `row`; returns how many values it holds (a row's last chunk may be short).
+// How many values chunk `chunk` of a row holds (a row's last chunk may be short); chunk < chunks.
+template <fp8_float_dtype kDtype>
+__device__ __forceinline__ int chunk_count(const QuantizeArgs& args, int64_t chunk) {
+  constexpr int kSize = Chunk<kDtype>::kSize;
+  const int64_t left = args.cols - chunk * kSize;
+  return left < kSize ? static_cast<int>(left) : kSize;
+}
+
+// Loads chunk `chunk` of `row`; returns how many values it holds (chunk_count).
 template <fp8_float_dtype kDtype>
 __device__ __forceinline__ int load_chunk(const QuantizeArgs& args, int64_t row, int64_t chunk, Chunk<kDtype>& out) {
   using Storage = typename Chunk<kDtype>::Storage;
   constexpr int kSize = Chunk<kDtype>::kSize;
   const int64_t col = chunk * kSize;
-  const int count = args.cols - col < kSize ? static_cast<int>(args.cols - col) : kSize;
+  const int count = chunk_count<kDtype>(args, chunk);
   const Storage* x = static_cast<const Storage*>(args.x);
   if (args.vectorized && count == kSize) {
     const uint4 bits = __ldg(reinterpret_cast<const uint4*>(x + row * args.row_stride + col));
@@ -206,17 +214,17 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
     const int64_t row = first_row + threadIdx.y;
     const bool active = row < args.rows;
     Chunk<kDtype> held[kHeldChunks];
-    // a held chunk's valid elements, recomputed where needed rather than held (8 more
-    // registers made the float32 kernel spill at sm_80 and sm_89)
+    // held chunk i is chunk held_chunk(i) of the row; its valid elements are recomputed
+    // where needed rather than held (8 more registers made the float32 kernel spill at
+    // sm_80 and sm_89)
+    auto held_chunk = [&](int i) { return threadIdx.x + static_cast<int64_t>(i) * blockDim.x; };
     auto held_count = [&](int i) {
-      const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      const int64_t left = args.cols - c * Chunk<kDtype>::kSize;
-      return active && c < chunks ? static_cast<int>(left < Chunk<kDtype>::kSize ? left : Chunk<kDtype>::kSize) : 0;
+      return active && held_chunk(i) < chunks ? chunk_count<kDtype>(args, held_chunk(i)) : 0;
     };
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kHeldChunks; ++i) {
-      if (held_count(i) > 0) load_chunk(args, row, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, held[i]);
+      if (held_count(i) > 0) load_chunk(args, row, held_chunk(i), held[i]);
     }
 #pragma unroll
     for (int i = 0; i < kHeldChunks; ++i) amax = chunk_amax(held[i], held_count(i), amax);
@@ -233,8 +241,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
     for (int i = 0; i < kHeldChunks; ++i) {
       const int count = held_count(i);
       if (count > 0) {
-        quantize_chunk<kDtype, kFormat>(args, row, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, held[i], count,
-                                        scale);
+        quantize_chunk<kDtype, kFormat>(args, row, held_chunk(i), held[i], count, scale);
       }
     }
     for (int64_t c = threadIdx.x + static_cast<int64_t>(kHeldChunks) * blockDim.x; c < chunks; c += blockDim.x) {
