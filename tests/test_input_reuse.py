@@ -14,26 +14,33 @@ from fp8linear import FP8Linear, ops
 from fp8linear import linear as linear_module
 
 
+class QuantizeCalls:
+    """Counts ops.quantize_fp8 calls; make layers with `layers`, which zeroes the count
+    after quantizing their weights through it too."""
+
+    def __init__(self):
+        self.count = 0
+
+    def layers(self, scheme="per-tensor", sizes=(24, 40, 8), in_features=72):
+        torch.manual_seed(0)
+        made = [FP8Linear.from_linear(nn.Linear(in_features, n), **fp8linear.SCHEMES[scheme]) for n in sizes]
+        self.count = 0
+        return made
+
+
 @pytest.fixture
 def quantize_calls(monkeypatch):
-    """The number of ops.quantize_fp8 calls, in a list of one (tests zero it after making
-    their layers, whose weights are quantized through it too)."""
-    calls = [0]
+    calls = QuantizeCalls()
     original = ops.quantize_fp8
 
     def counting(*args, **kwargs):
-        calls[0] += 1
+        calls.count += 1
         return original(*args, **kwargs)
 
     monkeypatch.setattr(ops, "quantize_fp8", counting)
     linear_module._LAST_QUANTIZED.entry = None
     yield calls
     linear_module._LAST_QUANTIZED.entry = None
-
-
-def layers(scheme="per-tensor", sizes=(24, 40, 8), in_features=72):
-    torch.manual_seed(0)
-    return [FP8Linear.from_linear(nn.Linear(in_features, n), **fp8linear.SCHEMES[scheme]) for n in sizes]
 
 
 def fresh(layer, x):
@@ -43,47 +50,42 @@ def fresh(layer, x):
 
 @pytest.mark.parametrize("scheme", ["per-tensor", "per-channel", "block"])
 def test_siblings_quantize_a_shared_input_once_with_the_same_outputs(quantize_calls, scheme):
-    q, k, v = layers(scheme)
-    quantize_calls[0] = 0
+    q, k, v = quantize_calls.layers(scheme)
     x = torch.randn(3, 5, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         outputs = [q(x), k(x), v(x)]
-        assert quantize_calls[0] == 1
+        assert quantize_calls.count == 1
         expected = [fresh(layer, x) for layer in (q, k, v)]
     for out, reference in zip(outputs, expected):
         assert torch.equal(out, reference)
 
 
 def test_an_in_place_change_between_layers_is_seen(quantize_calls):
-    q, k, _ = layers()
-    quantize_calls[0] = 0
+    q, k, _ = quantize_calls.layers()
     x = torch.randn(6, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         q(x)
         x[2].mul_(3.0)  # through a view: the version counter is shared
         out = k(x)
-        assert quantize_calls[0] == 2
+        assert quantize_calls.count == 2
         assert torch.equal(out, fresh(k, x))
 
 
 def test_a_different_quantization_of_the_same_input_is_not_reused(quantize_calls):
-    (per_tensor,) = layers("per-tensor", sizes=(16,))
-    (per_token,) = layers("per-channel", sizes=(16,))
-    quantize_calls[0] = 0
+    (per_tensor,) = quantize_calls.layers("per-tensor", sizes=(16,))
+    (per_token,) = quantize_calls.layers("per-channel", sizes=(16,))
     x = torch.randn(4, 72) * torch.logspace(-3, 3, 4).unsqueeze(1)  # rows of very different magnitudes
     with torch.no_grad():
         a, b = per_tensor(x), per_token(x)
-        assert quantize_calls[0] == 2
+        assert quantize_calls.count == 2
         assert torch.equal(a, fresh(per_tensor, x)) and torch.equal(b, fresh(per_token, x))
 
 
 def test_static_and_weight_only_layers_do_not_take_a_reused_input(quantize_calls):
-    (dynamic,) = layers("per-tensor", sizes=(16,))
-    (static,) = layers("static", sizes=(16,))
+    (dynamic,) = quantize_calls.layers("per-tensor", sizes=(16,))
+    (static,) = quantize_calls.layers("static", sizes=(16,))
     static.set_input_scale(0.5)
-    quantize_calls[0] = 0
-    (weight_only,) = layers("weight-only", sizes=(16,))
-    quantize_calls[0] = 0
+    (weight_only,) = quantize_calls.layers("weight-only", sizes=(16,))
     x = torch.randn(4, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         dynamic(x)
@@ -93,20 +95,18 @@ def test_static_and_weight_only_layers_do_not_take_a_reused_input(quantize_calls
 
 def test_inference_mode_tensors_are_never_reused(quantize_calls):
     # they carry no version counter, so an in-place change could not be seen
-    q, k, _ = layers()
-    quantize_calls[0] = 0
+    q, k, _ = quantize_calls.layers()
     with torch.inference_mode():
         x = torch.randn(4, 72, dtype=torch.bfloat16)
         q(x)
         x.add_(1.0)
         out = k(x)
-        assert quantize_calls[0] == 2
+        assert quantize_calls.count == 2
         assert torch.equal(out, fresh(k, x))
 
 
 def test_the_kept_quantization_is_dropped_with_its_input(quantize_calls):
-    q, k, _ = layers()
-    quantize_calls[0] = 0
+    q, k, _ = quantize_calls.layers()
     x = torch.randn(64, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         q(x)
@@ -118,13 +118,12 @@ def test_the_kept_quantization_is_dropped_with_its_input(quantize_calls):
     y = torch.randn(64, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         out = k(y)
-    assert quantize_calls[0] == 2
+    assert quantize_calls.count == 2
     assert torch.equal(out, fresh(k, y))
 
 
 def test_another_thread_does_not_see_this_threads_input(quantize_calls):
-    q, k, _ = layers()
-    quantize_calls[0] = 0
+    q, k, _ = quantize_calls.layers()
     x = torch.randn(4, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         q(x)
@@ -139,13 +138,12 @@ def test_another_thread_does_not_see_this_threads_input(quantize_calls):
     thread.start()
     thread.join()
     assert seen[0] is None
-    assert quantize_calls[0] == 2  # the other thread quantized for itself
+    assert quantize_calls.count == 2  # the other thread quantized for itself
     assert torch.equal(seen[1], fresh(k, x))
 
 
 def test_training_inputs_get_gradients_as_before(quantize_calls):
-    q, k, _ = layers()
-    quantize_calls[0] = 0
+    q, k, _ = quantize_calls.layers()
     x = torch.randn(4, 72, requires_grad=True)
     (q(x).sum() + k(x).sum()).backward()
     x_again = x.detach().clone().requires_grad_(True)
