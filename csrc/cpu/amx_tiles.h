@@ -96,6 +96,12 @@ BF16_TARGET static inline void model_dpbf16ps(amx_model* model, int c, int a, in
     if (emulated) model_load(model, t, base, stride);                                                           \
     else __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");    \
   } while (0)
+/* TILELOADDT1: the same load, with the hint that the data is not reused soon (kept out of L1) */
+#define TILE_LOAD_T1(t, base, stride)                                                                           \
+  do {                                                                                                          \
+    if (emulated) model_load(model, t, base, stride);                                                           \
+    else __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");  \
+  } while (0)
 #define TILE_STORE(t, base, stride)                                                                             \
   do {                                                                                                          \
     if (emulated) model_store(model, t, base, stride);                                                          \
