@@ -42,6 +42,30 @@ def test_every_bf16_value(dtype, scale, cpu_variant):
     _assert_matches_reference(x, None if scale is None else torch.tensor(scale), dtype=dtype)
 
 
+@pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 63, 64, 65, 127, 129, 4097])
+def test_dynamic_scale_finds_the_largest_finite_value_anywhere(x_dtype, n, cpu_variant):
+    # the amax pass: its main loop, its two accumulators and its tail, with an inf and a
+    # NaN (larger bit patterns than any finite value) beside the largest finite one
+    generator = torch.Generator().manual_seed(n)
+    positions = range(n) if n <= 65 else torch.randint(0, n, (16,), generator=generator).tolist()
+    for position in positions:
+        x = (torch.rand(n, generator=generator) * 2 - 1).to(x_dtype)
+        x[position] = -7.25 if position % 2 else 7.25
+        if n > 2:
+            x[(position + 1) % n] = float("inf")
+            x[(position + 2) % n] = float("nan")
+        _assert_matches_reference(x)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_every_fp16_value(dtype, cpu_variant):
+    # all 65536 fp16 bit patterns, dynamic scale: the largest finite (65504) sets it
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    _assert_matches_reference(x, dtype=dtype)
+
+
 def _scale_sweep():
     # powers of two on both sides of the table kernel's range (2^-84 .. 2^100), the values
     # just below them (mantissa all ones), the dynamic floors, and log-uniform scales

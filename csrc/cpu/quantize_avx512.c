@@ -2,6 +2,7 @@
  * The encoding is the scalar encoder of fp8.h done lane-wise on the float bits,
  * so both round once, to nearest even, from the float32 quotient. */
 #include <immintrin.h>
+#include <string.h>
 
 #include "cpu_internal.h"
 
@@ -30,7 +31,41 @@ AVX512_TARGET static inline void prefetch_ahead(const char* at, int64_t element_
   if (element_size == 4) _mm_prefetch(at + 8192 + 64, _MM_HINT_T0);
 }
 
+/* bf16 / fp16: the magnitudes of 16-bit floats order as their bit patterns do, so the
+ * largest finite one is found on the 16-bit codes themselves, 32 per vector, without
+ * widening them (widened to float32 first, 16 at a time, this pass took half as long as
+ * the quantize pass after it: 512 x 576 bf16, dynamic per-tensor, one core). */
+AVX512_TARGET static uint32_t amax_16bit(const uint16_t* x, fp8_float_dtype dtype, int64_t n) {
+  const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF);
+  const __m512i inf_bits = _mm512_set1_epi16(dtype == FP8_BFLOAT16 ? 0x7F80 : 0x7C00);
+  __m512i amax0 = _mm512_setzero_si512(), amax1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    prefetch_ahead((const char*)(x + i), 2);
+    prefetch_ahead((const char*)(x + i + 32), 2);
+    const __m512i m0 = _mm512_and_si512(_mm512_loadu_si512(x + i), magnitude_mask);
+    const __m512i m1 = _mm512_and_si512(_mm512_loadu_si512(x + i + 32), magnitude_mask);
+    amax0 = _mm512_mask_max_epu16(amax0, _mm512_cmplt_epu16_mask(m0, inf_bits), amax0, m0);
+    amax1 = _mm512_mask_max_epu16(amax1, _mm512_cmplt_epu16_mask(m1, inf_bits), amax1, m1);
+  }
+  for (; i < n; i += 32) {
+    const __mmask32 mask = n - i >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (n - i)) - 1u);
+    const __m512i m0 = _mm512_and_si512(_mm512_maskz_loadu_epi16(mask, x + i), magnitude_mask);
+    amax0 = _mm512_mask_max_epu16(amax0, _mm512_cmplt_epu16_mask(m0, inf_bits), amax0, m0);
+  }
+  const __m512i amax = _mm512_max_epu16(amax0, amax1);
+  const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(amax)),
+                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(amax, 1)));
+  const uint32_t bits = _mm512_reduce_max_epu32(wide);
+  if (dtype == FP8_BFLOAT16) return bits << 16;
+  const float value = _cvtsh_ss((unsigned short)bits);
+  uint32_t value_bits;
+  memcpy(&value_bits, &value, sizeof value_bits);
+  return value_bits;
+}
+
 AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
+  if (dtype != FP8_FLOAT32) return amax_16bit((const uint16_t*)x, dtype, n);
   const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i inf_bits = _mm512_set1_epi32(0x7F800000);
   /* two accumulators hide the max latency */
