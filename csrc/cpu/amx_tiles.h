@@ -91,17 +91,14 @@ BF16_TARGET static inline void model_dpbf16ps(amx_model* model, int c, int a, in
  * is a 64-byte memory operand and loads and stores clobber memory. Tile numbers are
  * part of the instruction, hence macros. `emulated` is a compile-time constant in
  * each instantiation of the kernel body; `model` is NULL on hardware. */
-#define TILE_LOAD(t, base, stride)                                                                              \
+#define TILE_LOAD_WITH(instruction, t, base, stride)                                                             \
   do {                                                                                                          \
     if (emulated) model_load(model, t, base, stride);                                                           \
-    else __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");    \
+    else __asm__ volatile(instruction " (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");  \
   } while (0)
+#define TILE_LOAD(t, base, stride) TILE_LOAD_WITH("tileloadd", t, base, stride)
 /* TILELOADDT1: the same load, with the hint that the data is not reused soon (kept out of L1) */
-#define TILE_LOAD_T1(t, base, stride)                                                                           \
-  do {                                                                                                          \
-    if (emulated) model_load(model, t, base, stride);                                                           \
-    else __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory");  \
-  } while (0)
+#define TILE_LOAD_T1(t, base, stride) TILE_LOAD_WITH("tileloaddt1", t, base, stride)
 #define TILE_STORE(t, base, stride)                                                                             \
   do {                                                                                                          \
     if (emulated) model_store(model, t, base, stride);                                                          \

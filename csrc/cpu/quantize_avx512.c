@@ -2,7 +2,6 @@
  * The encoding is the scalar encoder of fp8.h done lane-wise on the float bits,
  * so both round once, to nearest even, from the float32 quotient. */
 #include <immintrin.h>
-#include <string.h>
 
 #include "cpu_internal.h"
 
@@ -57,11 +56,7 @@ AVX512_TARGET static uint32_t amax_16bit(const uint16_t* x, fp8_float_dtype dtyp
   const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(amax)),
                                         _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(amax, 1)));
   const uint32_t bits = _mm512_reduce_max_epu32(wide);
-  if (dtype == FP8_BFLOAT16) return bits << 16;
-  const float value = _cvtsh_ss((unsigned short)bits);
-  uint32_t value_bits;
-  memcpy(&value_bits, &value, sizeof value_bits);
-  return value_bits;
+  return dtype == FP8_BFLOAT16 ? bits << 16 : fp8_float_bits(fp8_half_to_float((uint16_t)bits));
 }
 
 AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
