@@ -87,6 +87,20 @@ def test_strided_inputs_and_threads(cpu_variant):
     torch.set_num_threads(2)
 
 
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_rows_of_more_groups_than_one_pass_takes(group_size, cpu_variant):
+    # the AVX-512 kernels take the groups of a row 256 at a time (amaxes, scales, codes);
+    # rows of 259 groups and more (a partial last one), dynamic and given scales
+    x = values((3, 259 * group_size - 5), torch.bfloat16)
+    expected_q, expected_scale = reference.quantize_fp8(x, granularity="group", group_size=group_size)
+    q, scale = fp8linear.quantize_fp8(x, granularity="group", group_size=group_size)
+    assert torch.equal(scale, expected_scale)
+    assert_same_fp8(q, expected_q)
+    given = torch.rand_like(expected_scale) + 0.01
+    q, _ = fp8linear.quantize_fp8(x, given, granularity="group", group_size=group_size)
+    assert_same_fp8(q, reference.quantize_fp8(x, given, granularity="group", group_size=group_size)[0])
+
+
 def test_given_block_scales_are_used_as_they_are():
     w = values((300, 260))
     scale = torch.rand(3, 3) + 0.01

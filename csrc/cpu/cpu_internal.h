@@ -25,6 +25,12 @@ void fp8_span_quantize_avx2(const void* x, fp8_float_dtype dtype, int64_t n, flo
                             uint8_t* q, fp8_format format);
 void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
                               uint8_t* q, fp8_format format);
+/* The same for the groups of one row (group i: x[i * group, min(n, (i + 1) * group))),
+ * each with its own scale: amax_bits[i] (as fp8_span_amax), scales[i]. */
+void fp8_span_amax_groups_avx512(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
+                                 uint32_t* amax_bits);
+void fp8_span_quantize_groups_avx512(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
+                                     const float* scales, uint8_t* q, fp8_format format);
 /* bf16 by a per-scale table (quantize_vbmi.c), else as fp8_span_quantize_avx512; needs VBMI. */
 void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
                             uint8_t* q, fp8_format format);

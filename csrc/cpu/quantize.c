@@ -86,6 +86,25 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
   const fp8_span_quantize_fn span_quantize = pick_quantize();
   const int64_t size = element_size(p->x_dtype);
   const int64_t groups = (p->cols + group - 1) / group;
+  if (fp8_cpu_active_variant() >= FP8_CPU_AVX512) {
+    /* a row at a time: all its amaxes, then all its scales, then all its groups */
+    enum { CHUNK = 256 };
+    uint32_t amax_bits[CHUNK];
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      const char* row = (const char*)p->x + r * p->x_row_stride * size;
+      uint8_t* q = p->q + r * p->cols;
+      float* row_scales = scales + r * groups;
+      for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) { /* (rows of up to CHUNK groups at a time) */
+        const int64_t c0 = g0 * group, n = p->cols - c0 < CHUNK * group ? p->cols - c0 : CHUNK * group;
+        if (dynamic) {
+          fp8_span_amax_groups_avx512(row + c0 * size, p->x_dtype, n, group, amax_bits);
+          for (int64_t g = 0; g * group < n; ++g) row_scales[g0 + g] = scale_of(fp8_bits_float(amax_bits[g]), p->format);
+        }
+        fp8_span_quantize_groups_avx512(row + c0 * size, p->x_dtype, n, group, row_scales + g0, q + c0, p->format);
+      }
+    }
+    return;
+  }
   for (int64_t r = row_begin; r < row_end; ++r) {
     const char* row = (const char*)p->x + r * p->x_row_stride * size;
     uint8_t* q = p->q + r * p->cols;
