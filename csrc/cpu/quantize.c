@@ -86,15 +86,17 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
   const fp8_span_quantize_fn span_quantize = pick_quantize();
   const int64_t size = element_size(p->x_dtype);
   const int64_t groups = (p->cols + group - 1) / group;
-  if (fp8_cpu_active_variant() >= FP8_CPU_AVX512) {
-    /* a row at a time: all its amaxes, then all its scales, then all its groups */
-    enum { CHUNK = 256 };
-    uint32_t amax_bits[CHUNK];
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      const char* row = (const char*)p->x + r * p->x_row_stride * size;
-      uint8_t* q = p->q + r * p->cols;
-      float* row_scales = scales + r * groups;
-      for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) { /* (rows of up to CHUNK groups at a time) */
+  /* AVX-512: a row at a time, all its amaxes, then all its scales, then all its codes
+   * (up to CHUNK groups at a time); the others group by group */
+  const int whole_rows = fp8_cpu_active_variant() >= FP8_CPU_AVX512;
+  enum { CHUNK = 256 };
+  uint32_t amax_bits[CHUNK];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const char* row = (const char*)p->x + r * p->x_row_stride * size;
+    uint8_t* q = p->q + r * p->cols;
+    float* row_scales = scales + r * groups;
+    if (whole_rows) {
+      for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) {
         const int64_t c0 = g0 * group, n = p->cols - c0 < CHUNK * group ? p->cols - c0 : CHUNK * group;
         if (dynamic) {
           fp8_span_amax_groups_avx512(row + c0 * size, p->x_dtype, n, group, amax_bits);
@@ -102,13 +104,8 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
         }
         fp8_span_quantize_groups_avx512(row + c0 * size, p->x_dtype, n, group, row_scales + g0, q + c0, p->format);
       }
+      continue;
     }
-    return;
-  }
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const char* row = (const char*)p->x + r * p->x_row_stride * size;
-    uint8_t* q = p->q + r * p->cols;
-    float* row_scales = scales + r * groups;
     for (int64_t g = 0, c = 0; g < groups; ++g, c += group) {
       const int64_t n = p->cols - c < group ? p->cols - c : group;
       if (dynamic) row_scales[g] = scale_of(fp8_bits_float(span_amax(row + c * size, p->x_dtype, n)), p->format);
