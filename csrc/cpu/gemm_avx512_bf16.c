@@ -96,7 +96,7 @@ ALWAYS_INLINE void store_output(const fp8_scaled_mm_params* p, int64_t m, int64_
  * accumulators of 16 partial sums each, reduced once at the end. */
 BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                          const uint16_t* activations, int64_t k_padded, int64_t m0, int64_t n0,
-                                         const int ROWS, const int COLS, const int BLOCKED) {
+                                         int prefetch_l2, const int ROWS, const int COLS, const int BLOCKED) {
   /* With few (row, column) pairs, one accumulator each would chain every dot product
    * on the previous one's latency; the two halves of each 64-k step then get their
    * own accumulators (decode, M = 1: one chain of two dot products per 64 bytes
@@ -116,9 +116,17 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
        * prefetchers stop at page boundaries (four rows at a time, 14336 x 4096, M = 1:
        * 47% of the read probe without, 81% with). One row at a time reads a single
        * stream: 8 KiB ahead in it; several rows: the same bytes two blocks ahead. A
-       * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB. */
-      const int64_t ahead = COLS == 1 ? k0 + 8192 : 2 * COLS * p->b_col_stride + k0;
-      _mm_prefetch((const char*)(weight_rows[c] + ahead), _MM_HINT_T0);
+       * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB.
+       * `prefetch_l2` (Intel Xeons with AMX), one row of one activation row: 6 KiB ahead
+       * into L2 instead, which does not hold one of L1's few miss buffers per line from
+       * memory on to L1 (2 threads, M = 1, % of the read probe: 4096 x 4096 71 -> 82,
+       * 14336 x 4096 84 -> 90, 1536 x 576 90 -> 99; at M = 2 it was 5% slower). */
+      if (ROWS == 1 && COLS == 1 && prefetch_l2) {
+        _mm_prefetch((const char*)(weight_rows[c] + k0 + 6144), _MM_HINT_T2);
+      } else {
+        const int64_t ahead = COLS == 1 ? k0 + 8192 : 2 * COLS * p->b_col_stride + k0;
+        _mm_prefetch((const char*)(weight_rows[c] + ahead), _MM_HINT_T0);
+      }
       widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -161,8 +169,8 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
  * 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
 #define DOT_CASE(ROWS, COLS)                                                        \
   case ROWS:                                                                        \
-    if (blocked) dot_block(p, &t, activations, kp, m0, n, ROWS, COLS, 1);           \
-    else dot_block(p, &t, activations, kp, m0, n, ROWS, COLS, 0);                   \
+    if (blocked) dot_block(p, &t, activations, kp, m0, n, prefetch_l2, ROWS, COLS, 1); \
+    else dot_block(p, &t, activations, kp, m0, n, prefetch_l2, ROWS, COLS, 0);         \
     break;
 #define DOT_ROW_BLOCKS(COLS)                                            \
   for (int64_t m0 = m_begin; m0 < m_end; m0 += 4) {                     \
@@ -180,6 +188,7 @@ BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   const int blocked = fp8_k_blocked(p);
+  const int prefetch_l2 = plan->variant == FP8_CPU_AMX; /* see dot_block; not measured on other CPUs */
   int64_t n = n_begin;
   /* 2-4 rows of a long K: their widened activations (2 bytes per k and row) no longer
    * fit in half of L1 and would stream from L2 once per weight row; four weight rows at
