@@ -174,11 +174,11 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
             contenders["torchao"] = (lambda model: model(x), [torchao_make(torch.nn.Linear(k, n, bias=False).bfloat16())])
         if "_scaled_mm" not in history and rows > 1:
             # no smaller M has run (a --rows list that starts large): one row first, to
-            # predict this M's call (on an Intel Xeon one call at M = 2048 takes ~40 min)
-            probe_notes = []
+            # predict this M's call (on an Intel Xeon one call at M = 2048 would take 0.5-2 hours);
+            # its own note is dropped: the skip at this M says what it measured
             first_call_seconds("_scaled_mm", lambda layer: torch._scaled_mm(
                 qx[:1], layer.weight.t(), sx, layer.weight_scale, out_dtype=torch.bfloat16), fp8_layers[0], 1,
-                history, probe_notes)
+                history, [])
         first_call, skipped = {}, []  # warm up (first-call costs stay out of the numbers), timing that call
         for key, (fn, items) in list(contenders.items()):
             seconds = first_call_seconds(key, fn, items[0], rows, history, notes)

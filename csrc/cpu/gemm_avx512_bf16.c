@@ -118,9 +118,11 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
        * stream: 8 KiB ahead in it; several rows: the same bytes two blocks ahead. A
        * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB.
        * `prefetch_l2` (Intel Xeons with AMX), one row of one activation row: 6 KiB ahead
-       * into L2 instead, which does not hold one of L1's few miss buffers per line from
-       * memory on to L1 (2 threads, M = 1, % of the read probe: 4096 x 4096 71 -> 82,
-       * 14336 x 4096 84 -> 90, 1536 x 576 90 -> 99; at M = 2 it was 5% slower). */
+       * with prefetcht2 (into L2; prefetcht1 measured about the same) instead, presumably
+       * because a prefetch into L1 holds one of L1's few miss buffers per line all the
+       * way from memory. FP8Linear, 2 threads, M = 1, % of the read probe: 4096 x 4096
+       * 71 -> 82, 14336 x 4096 84 -> 90, 1536 x 576 90 -> 99; 4096 x 14336 unchanged; at
+       * M = 2 it was 5% slower. */
       if (ROWS == 1 && COLS == 1 && prefetch_l2) {
         _mm_prefetch((const char*)(weight_rows[c] + k0 + 6144), _MM_HINT_T2);
       } else {
