@@ -60,7 +60,9 @@ AVX512_TARGET static inline __attribute__((always_inline)) uint32_t amax_16bit(c
   return dtype == FP8_BFLOAT16 ? bits << 16 : fp8_float_bits(fp8_half_to_float((uint16_t)bits));
 }
 
-AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
+/* fp8_span_amax_avx512's body, inlined into the group pass too */
+AVX512_TARGET static inline __attribute__((always_inline)) uint32_t amax_span(const void* x, fp8_float_dtype dtype,
+                                                                                int64_t n) {
   if (dtype != FP8_FLOAT32) return amax_16bit((const uint16_t*)x, dtype, n);
   const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i inf_bits = _mm512_set1_epi32(0x7F800000);
@@ -82,6 +84,10 @@ AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype
     amax0 = _mm512_mask_max_epu32(amax0, _mm512_cmplt_epu32_mask(m0, inf_bits), amax0, m0);
   }
   return _mm512_reduce_max_epu32(_mm512_max_epu32(amax0, amax1));
+}
+
+AVX512_TARGET uint32_t fp8_span_amax_avx512(const void* x, fp8_float_dtype dtype, int64_t n) {
+  return amax_span(x, dtype, n);
 }
 
 typedef struct {
@@ -192,9 +198,7 @@ AVX512_TARGET void fp8_span_amax_groups_avx512(const void* x, fp8_float_dtype dt
   const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
   for (int64_t c = 0, g = 0; c < n; c += group, ++g) {
     const int64_t length = n - c < group ? n - c : group;
-    const char* at = (const char*)x + c * size;
-    amax_bits[g] = dtype == FP8_FLOAT32 ? fp8_span_amax_avx512(at, dtype, length)
-                                        : amax_16bit((const uint16_t*)at, dtype, length);
+    amax_bits[g] = amax_span((const char*)x + c * size, dtype, length);
   }
 }
 
