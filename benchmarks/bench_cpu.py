@@ -119,10 +119,20 @@ def layer_copies(n: int, k: int, rows: int, element_bytes: int, smoke: bool) -> 
     return max(2, -(-WEIGHT_BYTES_PER_PASS // (n * k * element_bytes)))
 
 
+# Never skipped, however slow: what the table is about (bf16 nn.Linear on an AVX2-only
+# CPU takes ~13 s for one M = 2048 call of 14336 x 4096).
+ALWAYS_TIMED = ("bf16", "fp8linear", "per-channel", "block")
+
+
 def first_call_seconds(key, fn, item, rows, history, notes):
     """Time one call of a contender (its warm-up), or skip it without calling when the
     call at a smaller M, scaled by M (the work grows with M), predicts more than
-    SKIP_CALL_SECONDS. Returns the seconds, or None if it is skipped (with a note)."""
+    SKIP_CALL_SECONDS. Returns the seconds, or None if it is skipped (with a note).
+    The contenders in ALWAYS_TIMED are only timed."""
+    if key in ALWAYS_TIMED:
+        start = time.perf_counter()
+        fn(item)
+        return time.perf_counter() - start
     if key in history:
         last_rows, last_seconds = history[key]
         predicted = last_seconds * rows / last_rows

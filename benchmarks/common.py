@@ -24,8 +24,9 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512vbmi", "avx512
 def cpu_description() -> dict:
     """The CPU as /proc/cpuinfo names it: ``model``, ``vendor``, ``flags`` (those of
     CPU_FLAGS_OF_INTEREST it has) and ``family``, a short name for the results file:
-    ``intel-amx``, ``intel``, ``amd-zen`` or the machine type. Results of different
-    families are kept side by side (their bandwidth and multiply units differ 2-3x)."""
+    ``intel-amx``, ``intel-avx512``, ``intel-avx2``, ``amd-zen`` (AVX-512), ``amd-zen-avx2``
+    or the machine type. Results of different families are kept side by side (their
+    bandwidth and multiply units differ 2-3x)."""
     model, vendor, flags = platform.processor() or platform.machine(), "", set()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -38,10 +39,12 @@ def cpu_description() -> dict:
                 flags = set(value.split())
     except OSError:  # not Linux: the family falls back to the machine type
         pass
+    # The vector width decides which kernels run, so it splits a vendor's CPUs: Zen 4/5
+    # (AVX-512) keep the name amd-zen, a Zen 2/3 (AVX2 only) is amd-zen-avx2.
     if vendor == "GenuineIntel":
-        family = "intel-amx" if "amx_tile" in flags else "intel"
+        family = "intel-amx" if "amx_tile" in flags else "intel-avx512" if "avx512f" in flags else "intel-avx2"
     elif vendor == "AuthenticAMD":
-        family = "amd-zen"
+        family = "amd-zen" if "avx512f" in flags else "amd-zen-avx2"
     else:
         family = platform.machine().lower() or "cpu"
     return {"model": model, "vendor": vendor, "family": family,

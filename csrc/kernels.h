@@ -122,7 +122,8 @@ typedef enum {
   FP8_MM_FLOAT_DOT = 1,  /* float32 FMA dot products (AVX2 / AVX-512, or float32/float16 activations) */
   FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
   FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
-  FP8_MM_AMX = 4         /* AMX tile products over the same packed activations (amx / amx_emulated variants) */
+  FP8_MM_AMX = 4,        /* AMX tile products over the same packed activations (amx / amx_emulated variants) */
+  FP8_MM_AVX2_PANEL = 5  /* AVX2: float32 register blocks over widened weight panels, M above the dot kernel's */
 } fp8_cpu_mm_method;
 
 typedef struct {

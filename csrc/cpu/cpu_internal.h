@@ -91,11 +91,28 @@ int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
-/* The float32 FMA kernels (gemm_float.c); plan->k_padded is a multiple of 16. */
+/* The float32 FMA kernels (gemm_float.c: AVX-512; the avx2 variant's are gemm_avx2.c's);
+ * plan->k_padded is a multiple of 16. */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                        int64_t m_begin, int64_t m_end);
 void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
+/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace: the dot kernel up to
+ * FP8_AVX2_DOT_MAX_ROWS rows (FP8_MM_FLOAT_DOT on the avx2 variant), the panel kernel
+ * (FP8_MM_AVX2_PANEL) above, both over a workspace of K rounded up to 32 from
+ * fp8_avx2_prepare, over panels of FP8_AVX2_KC k (a multiple of FP8_SCALE_BLOCK)
+ * and tiles of at most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes. */
+/* Up to 16 rows the dot kernel's single pass beats the panel kernel, which pays for
+ * widening and transposing each weight once per tile whatever M (4096 x 4096 from memory,
+ * 2 threads, AMD EPYC Zen 3, ms dot / panel: M = 8 5.4 / 8.5, M = 16 10.3-11.5 / 9.3-12.1,
+ * M = 24 14.2-14.5 / 11.2-12.0; 1536 x 576, M = 16 0.68 / 0.80). */
+enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256 };
+int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
+void fp8_avx2_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, int64_t m_begin,
+                      int64_t m_end);
+void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* 256-entry decode tables (fp8 code -> float32), built once. */
 const float* fp8_decode_table(fp8_format format);

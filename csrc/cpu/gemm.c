@@ -128,7 +128,13 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     plan.k_padded = round_up(p->k, 16);
     plan.tile_m = p->m < 64 ? p->m : 64;
     plan.tile_n = 32;
+    if (plan.variant == FP8_CPU_AVX2) plan.k_padded = round_up(p->k, 32);
     plan.workspace_bytes = p->m * plan.k_padded * (int64_t)sizeof(float);
+    if (plan.variant == FP8_CPU_AVX2 && p->m > FP8_AVX2_DOT_MAX_ROWS) {
+      plan.method = FP8_MM_AVX2_PANEL;
+      plan.tile_m = p->m < FP8_AVX2_TILE_M ? p->m : FP8_AVX2_TILE_M;
+      plan.scratch_bytes = fp8_avx2_scratch_bytes(&plan);
+    }
   }
   return plan;
 }
@@ -137,6 +143,8 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
                                void* scratch, int64_t m_begin, int64_t m_end) {
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
     fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
+  else if (plan->variant == FP8_CPU_AVX2 && (plan->method == FP8_MM_FLOAT_DOT || plan->method == FP8_MM_AVX2_PANEL))
+    fp8_avx2_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
     fp8_float_prepare(p, plan, workspace, m_begin, m_end);
 }
@@ -149,7 +157,11 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
     case FP8_MM_BF16_DOT:
     case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_AMX: fp8_amx_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
-    case FP8_MM_FLOAT_DOT: fp8_float_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end); break;
+    case FP8_MM_FLOAT_DOT:
+      if (plan->variant == FP8_CPU_AVX2) fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end);
+      else fp8_float_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end);
+      break;
+    case FP8_MM_AVX2_PANEL: fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
   }
 }

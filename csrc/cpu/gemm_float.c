@@ -1,6 +1,6 @@
-/* scaled_mm with float32 FMA dot products, for CPUs without AVX512-BF16 (AVX2 or
- * AVX-512) and for float32/float16 activations in weight-only mode (whose products
- * with fp8 are not exact in bf16).
+/* scaled_mm with AVX-512 float32 FMA dot products, for AVX-512 CPUs without AVX512-BF16
+ * and for float32/float16 activations in weight-only mode (whose products with fp8 are
+ * not exact in bf16). The avx2 variant's kernels are in gemm_avx2.c.
  *
  * Activations are widened once into a float32 workspace ([M][k_padded], zero
  * padded); weight rows (contiguous K bytes each, the layout of w.t()) are widened
@@ -14,7 +14,6 @@
 #include "cpu_internal.h"
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 enum { FLOAT_ROWS = 4, FLOAT_COLS = 4 };
@@ -75,49 +74,6 @@ AVX512_TARGET ALWAYS_INLINE void dot_block_avx512(const fp8_scaled_mm_params* p,
     for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, _mm512_reduce_add_ps(BLOCKED ? total[r][c] : acc[r][c]));
 }
 
-AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-AVX2_TARGET ALWAYS_INLINE void dot_block_avx2(const fp8_scaled_mm_params* p, const float* activations,
-                                              int64_t k_padded, const float* decode, int64_t m0, int64_t n0,
-                                              const int ROWS, const int COLS, const int BLOCKED) {
-  __m256 acc[FLOAT_ROWS][FLOAT_COLS], total[FLOAT_ROWS][FLOAT_COLS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = total[r][c] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < k_padded; k0 += 8) {
-    __m256 w[FLOAT_COLS];
-    for (int c = 0; c < COLS; ++c) {
-      const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride + k0;
-      uint64_t chunk = 0; /* the tail of a row is read byte by byte: never past its end */
-      if (p->k - k0 >= 8) {
-        memcpy(&chunk, row, 8);
-      } else {
-        for (int64_t i = 0; i < p->k - k0; ++i) chunk |= (uint64_t)row[i] << (8 * i);
-      }
-      const __m256i codes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)chunk));
-      w[c] = _mm256_i32gather_ps(decode, codes, 4);
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 a = _mm256_loadu_ps(activations + (m0 + r) * k_padded + k0);
-      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
-    }
-    /* K-blocked scales: each block's sums, scaled, join the totals lane by lane */
-    if (BLOCKED && ((k0 + 8) % FP8_SCALE_BLOCK == 0 || k0 + 8 >= k_padded)) {
-      for (int r = 0; r < ROWS; ++r) {
-        for (int c = 0; c < COLS; ++c) {
-          total[r][c] = _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(fp8_k_block_scale(p, m0 + r, n0 + c, k0 / FP8_SCALE_BLOCK)), total[r][c]);
-          acc[r][c] = _mm256_setzero_ps();
-        }
-      }
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, sum8(BLOCKED ? total[r][c] : acc[r][c]));
-}
-
 /* Blocks of up to FLOAT_ROWS activation rows by FLOAT_COLS weight rows, with
  * one-row and one-column tails. */
 #define FLOAT_DOT_CALL(BLOCK, ROWS, COLS)                                          \
@@ -145,13 +101,8 @@ AVX2_TARGET ALWAYS_INLINE void dot_block_avx2(const fp8_scaled_mm_params* p, con
   }
 
 FLOAT_DOT_DRIVER(float_dot_avx512, dot_block_avx512, AVX512_TARGET)
-FLOAT_DOT_DRIVER(float_dot_avx2, dot_block_avx2, AVX2_TARGET)
 
 void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
-  if (plan->variant >= FP8_CPU_AVX512) {
-    float_dot_avx512(p, plan, (const float*)workspace, m_begin, m_end, n_begin, n_end);
-  } else {
-    float_dot_avx2(p, plan, (const float*)workspace, m_begin, m_end, n_begin, n_end);
-  }
+  float_dot_avx512(p, plan, (const float*)workspace, m_begin, m_end, n_begin, n_end);
 }
