@@ -124,8 +124,8 @@ ALWAYS_INLINE void store_sum(const fp8_scaled_mm_params* p, int64_t m, int64_t n
 
 /* ROWS activation rows x COLS weight rows over half H of the 32 k at k0; the last step
  * of a row (TAIL) reads its end byte by byte. */
-AVX2_TARGET ALWAYS_INLINE void dot_step(const fp8_scaled_mm_params* p, const float* activations, int64_t k_padded,
-                                        int64_t m0, int64_t n0, int64_t k0, __m256 acc[DOT_ROWS][DOT_COLS],
+AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t weight_stride, int64_t k,
+                                        const float* const* activations, int64_t k0, __m256 acc[DOT_ROWS][DOT_COLS],
                                         const int ROWS, const int COLS, const int H, const int TAIL,
                                         const fp8_format FORMAT, const int SCALE) {
   __m256 w[DOT_COLS][2];
@@ -134,14 +134,11 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const fp8_scaled_mm_params* p, const flo
      * faults). Each weight row is a stream of only K bytes, which the hardware prefetcher
      * picks up late: 1536 x 576 at M = 1 from memory, 2 threads, AMD EPYC Zen 3, 0.25 ->
      * 0.16 ms; a fixed distance ahead in the same rows (1 KiB) or into L2 gained less */
-    for (int c = 0; c < COLS; ++c)
-      _mm_prefetch((const char*)p->b + (n0 + c + COLS) * p->b_col_stride + k0, _MM_HINT_T0);
+    for (int c = 0; c < COLS; ++c) _mm_prefetch((const char*)weights[c] + COLS * weight_stride + k0, _MM_HINT_T0);
   }
-  for (int c = 0; c < COLS; ++c)
-    widen_half32((const uint8_t*)p->b + (n0 + c) * p->b_col_stride + k0, TAIL ? p->k - k0 : 32, H, w[c], FORMAT,
-                 SCALE);
+  for (int c = 0; c < COLS; ++c) widen_half32(weights[c] + k0, TAIL ? k - k0 : 32, H, w[c], FORMAT, SCALE);
   for (int r = 0; r < ROWS; ++r) {
-    const float* a = activations + (m0 + r) * k_padded + k0 + 8 * H;
+    const float* a = activations[r] + k0 + 8 * H;
     const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 16);
     for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(a1, w[c][1], _mm256_fmadd_ps(a0, w[c][0], acc[r][c]));
   }
@@ -150,34 +147,61 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const fp8_scaled_mm_params* p, const flo
 AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const float* activations, int64_t k_padded,
                                          int64_t m0, int64_t n0, const int ROWS, const int COLS, const int BLOCKED,
                                          const fp8_format FORMAT, const int SCALE) {
-  __m256 acc[DOT_ROWS][DOT_COLS], total[DOT_ROWS][DOT_COLS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = total[r][c] = _mm256_setzero_ps();
-  const int64_t k_full = p->k & ~(int64_t)31;
-  for (int64_t k0 = 0; k0 < k_padded;) {
+  const uint8_t* weights[DOT_COLS];
+  const float* rows[DOT_ROWS];
+  for (int c = 0; c < COLS; ++c) weights[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+  for (int r = 0; r < ROWS; ++r) rows[r] = activations + (m0 + r) * k_padded;
+  const int64_t k = p->k, weight_stride = p->b_col_stride;
+  /* block-wise: each scale as a pointer and a step per block of 128 k; the scaled sums of
+   * the blocks so far kept in memory (touched once per 128 k), so that the loop's
+   * accumulators and widened weights keep the registers (as __m256 variables, and with
+   * fp8_k_block_scale's lookups per block, the block-wise calls took 1.4-2x the
+   * per-channel time at M = 2-16) */
+  const float* scale_a[DOT_ROWS];
+  const float* scale_b[DOT_COLS];
+  int64_t step_a = 0, step_b = 0;
+  if (BLOCKED) {
+    step_a = p->scale_a_blocked ? 1 : 0;
+    step_b = p->scale_b_blocked ? p->scale_b_k_stride : 0;
+    for (int r = 0; r < ROWS; ++r)
+      scale_a[r] = p->scale_a + (p->scale_a_blocked ? (m0 + r) * p->scale_a_row_stride : p->scale_a_per_row ? m0 + r : 0);
+    for (int c = 0; c < COLS; ++c)
+      scale_b[c] = p->scale_b + (p->scale_b_blocked ? ((n0 + c) / FP8_SCALE_BLOCK) * p->scale_b_n_stride
+                                                     : p->scale_b_per_col ? n0 + c : 0);
+  }
+  __m256 acc[DOT_ROWS][DOT_COLS];
+  float total[DOT_ROWS][DOT_COLS][8] __attribute__((aligned(32)));
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      if (BLOCKED) _mm256_store_ps(total[r][c], _mm256_setzero_ps());
+    }
+  }
+  const int64_t k_full = k & ~(int64_t)31;
+  for (int64_t k0 = 0, kb = 0; k0 < k_padded; ++kb) {
     /* up to the end of K, or of this block of 128 k */
     const int64_t k_stop = BLOCKED && k0 + FP8_SCALE_BLOCK < k_padded ? k0 + FP8_SCALE_BLOCK : k_padded;
     const int64_t k_stop_full = k_stop < k_full ? k_stop : k_full;
     for (; k0 < k_stop_full; k0 += 32) {
-      dot_step(p, activations, k_padded, m0, n0, k0, acc, ROWS, COLS, 0, 0, FORMAT, SCALE);
-      dot_step(p, activations, k_padded, m0, n0, k0, acc, ROWS, COLS, 1, 0, FORMAT, SCALE);
+      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 0, 0, FORMAT, SCALE);
+      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 1, 0, FORMAT, SCALE);
     }
     for (; k0 < k_stop; k0 += 32) {
-      dot_step(p, activations, k_padded, m0, n0, k0, acc, ROWS, COLS, 0, 1, FORMAT, SCALE);
-      dot_step(p, activations, k_padded, m0, n0, k0, acc, ROWS, COLS, 1, 1, FORMAT, SCALE);
+      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 0, 1, FORMAT, SCALE);
+      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 1, 1, FORMAT, SCALE);
     }
     if (BLOCKED) {
       for (int r = 0; r < ROWS; ++r) {
         for (int c = 0; c < COLS; ++c) {
-          const float scale = fp8_k_block_scale(p, m0 + r, n0 + c, (k0 - 1) / FP8_SCALE_BLOCK);
-          total[r][c] = _mm256_fmadd_ps(acc[r][c], _mm256_set1_ps(scale), total[r][c]);
+          const __m256 scale = _mm256_set1_ps(scale_a[r][kb * step_a] * scale_b[c][kb * step_b]);
+          _mm256_store_ps(total[r][c], _mm256_fmadd_ps(acc[r][c], scale, _mm256_load_ps(total[r][c])));
           acc[r][c] = _mm256_setzero_ps();
         }
       }
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_sum(p, m0 + r, n0 + c, sum8(BLOCKED ? total[r][c] : acc[r][c]));
+    for (int c = 0; c < COLS; ++c) store_sum(p, m0 + r, n0 + c, sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : acc[r][c]));
 }
 
 #define DOT_CALL(ROWS, COLS)                                                   \
