@@ -124,7 +124,7 @@ def layer_copies(n: int, k: int, rows: int, element_bytes: int, smoke: bool) -> 
 ALWAYS_TIMED = ("bf16", "fp8linear", "per-channel", "block")
 
 
-def first_call_seconds(key, fn, item, rows, history, notes):
+def first_call_seconds(key, fn, item, rows, history, notes, layer=""):
     """Time one call of a contender (its warm-up), or skip it without calling when the
     call at a smaller M, scaled by M (the work grows with M), predicts more than
     SKIP_CALL_SECONDS. Returns the seconds, or None if it is skipped (with a note).
@@ -137,7 +137,7 @@ def first_call_seconds(key, fn, item, rows, history, notes):
         last_rows, last_seconds = history[key]
         predicted = last_seconds * rows / last_rows
         if predicted > SKIP_CALL_SECONDS:
-            notes.append(f"{key} at M = {rows}: skipped, one call would take ~{predicted:.0f} s "
+            notes.append(f"{key} on {layer} at M = {rows}: skipped, one call would take ~{predicted:.0f} s "
                          f"(M = {last_rows}: {last_seconds:.1f} s)")
             return None
     start = time.perf_counter()
@@ -145,7 +145,7 @@ def first_call_seconds(key, fn, item, rows, history, notes):
     seconds = time.perf_counter() - start
     history[key] = (rows, seconds)
     if seconds > SKIP_CALL_SECONDS:
-        notes.append(f"{key} at M = {rows}: skipped, one call took {seconds:.0f} s")
+        notes.append(f"{key} on {layer} at M = {rows}: skipped, one call took {seconds:.0f} s")
         return None
     return seconds
 
@@ -191,7 +191,7 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
                 history, [])
         first_call, skipped = {}, []  # warm up (first-call costs stay out of the numbers), timing that call
         for key, (fn, items) in list(contenders.items()):
-            seconds = first_call_seconds(key, fn, items[0], rows, history, notes)
+            seconds = first_call_seconds(key, fn, items[0], rows, history, notes, name)
             if seconds is None:
                 del contenders[key]
                 skipped.append(key)
