@@ -35,7 +35,7 @@ test: install $(CUBLAS_STAMP)
 # tests/test_guard_pages.py catches over-reads ASan can't see (masked and AMX tile loads).
 SANITIZE_DIR := build/sanitize
 SANITIZE_STAMP := $(SANITIZE_DIR)/.fp8linear-build
-SANITIZE_TESTS := tests/test_sanitize_build.py tests/test_scaled_mm.py tests/test_quantize.py tests/test_amx.py \
+SANITIZE_TESTS := tests/test_sanitize_build.py tests/test_scaled_mm.py tests/test_quantize.py tests/test_amx.py tests/test_avx2.py \
                   tests/test_fp8_format.py tests/test_backend.py tests/test_linear.py tests/test_guard_pages.py \
                   tests/test_properties.py
 # more hypothesis examples per property than the normal suite (1000 and 500)
