@@ -154,10 +154,14 @@ static inline float fp8_k_block_scale_b(const fp8_scaled_mm_params* p, int64_t n
                             : p->scale_b[p->scale_b_per_col ? n : 0];
 }
 
+/* scale_a(m, kb) of a K-blocked call (kb: the block of 128 k; 0 <= m < M). */
+static inline float fp8_k_block_scale_a(const fp8_scaled_mm_params* p, int64_t m, int64_t kb) {
+  return p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb] : p->scale_a[p->scale_a_per_row ? m : 0];
+}
+
 /* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call. */
 static inline float fp8_k_block_scale(const fp8_scaled_mm_params* p, int64_t m, int64_t n, int64_t kb) {
-  const float a = p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb] : p->scale_a[p->scale_a_per_row ? m : 0];
-  return a * fp8_k_block_scale_b(p, n, kb);
+  return fp8_k_block_scale_a(p, m, kb) * fp8_k_block_scale_b(p, n, kb);
 }
 
 #ifdef __cplusplus

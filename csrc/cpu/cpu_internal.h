@@ -52,6 +52,14 @@ static inline void fp8_store_float(void* out, fp8_float_dtype dtype, int64_t i, 
   }
 }
 
+/* Output (m, n) of a float32 dot kernel from its sum: scaled (unless a K-blocked call
+ * applied the scales per block), biased and rounded once. */
+static inline void fp8_store_dot_sum(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
+  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
+  fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
+}
+
 /* The AVX512-BF16 kernels (gemm_avx512_bf16.c); scratch: fp8_bf16_scratch_bytes per thread. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,
@@ -93,15 +101,16 @@ void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
 
 /* The float32 FMA kernels (gemm_float.c: AVX-512; the avx2 variant's are gemm_avx2.c's);
  * plan->k_padded is a multiple of 16. */
+/* Activation rows [m_begin, m_end) -> float32 workspace rows of plan->k_padded (zero
+ * padded); fp8 activations times fp8_factor (a power of two: exact). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end);
+                       int64_t m_begin, int64_t m_end, float fp8_factor);
 void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace: the dot kernel up to
  * FP8_AVX2_DOT_MAX_ROWS rows (FP8_MM_FLOAT_DOT on the avx2 variant), the panel kernel
- * (FP8_MM_AVX2_PANEL) above, both over a workspace of K rounded up to 32 from
- * fp8_avx2_prepare, over panels of FP8_AVX2_KC k (a multiple of FP8_SCALE_BLOCK)
+ * (FP8_MM_AVX2_PANEL) above, both over a workspace of K rounded up to 32, over panels of FP8_AVX2_KC k (a multiple of FP8_SCALE_BLOCK)
  * and tiles of at most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes. */
 /* Up to 16 rows the dot kernel's single pass beats the panel kernel, which pays for
  * widening and transposing each weight once per tile whatever M (4096 x 4096 from memory,
@@ -109,8 +118,8 @@ void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
  * M = 24 14.2-14.5 / 11.2-12.0; 1536 x 576, M = 16 0.68 / 0.80). */
 enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256 };
 int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
-void fp8_avx2_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, int64_t m_begin,
-                      int64_t m_end);
+/* What fp8 activations are widened times for the avx2 kernels (fp8_float_prepare). */
+float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p);
 void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                       void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 

@@ -143,10 +143,9 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
                                void* scratch, int64_t m_begin, int64_t m_end) {
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
     fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
-  else if (plan->variant == FP8_CPU_AVX2 && (plan->method == FP8_MM_FLOAT_DOT || plan->method == FP8_MM_AVX2_PANEL))
-    fp8_avx2_prepare(p, plan, workspace, m_begin, m_end);
-  else if (plan->method == FP8_MM_FLOAT_DOT)
-    fp8_float_prepare(p, plan, workspace, m_begin, m_end);
+  else if (plan->method == FP8_MM_FLOAT_DOT || plan->method == FP8_MM_AVX2_PANEL)
+    fp8_float_prepare(p, plan, workspace, m_begin, m_end,
+                      plan->variant == FP8_CPU_AVX2 ? fp8_avx2_activation_factor(p) : 1.0f);
 }
 
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,

@@ -1,6 +1,7 @@
 /* scaled_mm on CPUs with AVX2 + FMA + F16C and no AVX-512 (AMD Zen 2/3, Intel Haswell to
  * Comet Lake): float32 FMA products over activations widened once into a float32
- * workspace (fp8_avx2_prepare) and weights widened in registers.
+ * workspace (fp8_float_prepare, with fp8_avx2_activation_factor) and weights widened in
+ * registers.
  *
  * Widening: an fp8 code becomes float16 bits with a few integer operations (16 codes per
  * register), then float32 through vcvtph2ps. A byte unpack puts each code in the high
@@ -91,35 +92,12 @@ AVX2_TARGET ALWAYS_INLINE __m256 widen8(const uint8_t* row, int64_t left, const 
   return half_to_float(_mm256_castsi256_si128(half16(_mm256_castsi128_si256(high_codes), FORMAT)), SCALE);
 }
 
-/* Activation rows [m_begin, m_end) -> float32 workspace rows of plan->k_padded (zero
- * padded), times 256 where activations_scaled. */
-void fp8_avx2_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, int64_t m_begin,
-                      int64_t m_end) {
-  const float* decode = fp8_decode_table(p->a_format);
-  const float factor = activations_scaled(p) ? 256.0f : 1.0f;
-  for (int64_t m = m_begin; m < m_end; ++m) {
-    float* row = (float*)workspace + m * plan->k_padded;
-    for (int64_t k = 0; k < p->k; ++k) {
-      const int64_t offset = m * p->a_row_stride + k * p->a_col_stride;
-      row[k] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset)
-                             : decode[((const uint8_t*)p->a)[offset]] * factor;
-    }
-    for (int64_t k = p->k; k < plan->k_padded; ++k) row[k] = 0.0f;
-  }
-}
+float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p) { return activations_scaled(p) ? 256.0f : 1.0f; }
 
 AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-/* One output of the dot kernel: the sum scaled (unless the scales were applied per block),
- * biased and rounded. */
-ALWAYS_INLINE void store_sum(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
-  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
-  const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
-  fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
 /* ROWS activation rows x COLS weight rows over half H of the 32 k at k0; the last step
@@ -201,7 +179,7 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_sum(p, m0 + r, n0 + c, sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : acc[r][c]));
+    for (int c = 0; c < COLS; ++c) fp8_store_dot_sum(p, m0 + r, n0 + c, sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : acc[r][c]));
 }
 
 #define DOT_CALL(ROWS, COLS)                                                   \
@@ -326,9 +304,7 @@ AVX2_TARGET ALWAYS_INLINE void panel_rows(const fp8_scaled_mm_params* p, const f
     const int rows = m_end - m0 < PANEL_ROWS ? (int)(m_end - m0) : PANEL_ROWS;
     float row_scale[PANEL_ROWS];
     if (scales) { /* scale_a of block kb: the scale_b part is in `scales` */
-      for (int r = 0; r < rows; ++r)
-        row_scale[r] = p->scale_a_blocked ? p->scale_a[(m0 + r) * p->scale_a_row_stride + kb]
-                                          : p->scale_a[p->scale_a_per_row ? m0 + r : 0];
+      for (int r = 0; r < rows; ++r) row_scale[r] = fp8_k_block_scale_a(p, m0 + r, kb);
     }
     const float* x = a + m0 * lda;
     float* s = sums + (m0 - m_begin) * PANEL_COLS;

@@ -19,26 +19,17 @@
 enum { FLOAT_ROWS = 4, FLOAT_COLS = 4 };
 
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end) {
+                       int64_t m_begin, int64_t m_end, float fp8_factor) {
   const float* decode = fp8_decode_table(p->a_format);
   for (int64_t m = m_begin; m < m_end; ++m) {
     float* row = (float*)workspace + m * plan->k_padded;
-    for (int64_t k = 0; k < plan->k_padded; ++k) {
+    for (int64_t k = 0; k < p->k; ++k) {
       const int64_t offset = m * p->a_row_stride + k * p->a_col_stride;
-      if (k >= p->k) {
-        row[k] = 0.0f;
-      } else {
-        row[k] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset) : decode[((const uint8_t*)p->a)[offset]];
-      }
+      row[k] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset)
+                             : decode[((const uint8_t*)p->a)[offset]] * fp8_factor;
     }
+    for (int64_t k = p->k; k < plan->k_padded; ++k) row[k] = 0.0f;
   }
-}
-
-ALWAYS_INLINE void store_dot(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
-  /* K-blocked calls come with the scales already applied per block */
-  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
-  const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
-  fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
 /* ROWS activation rows x COLS weight rows; 16 k per step. */
@@ -71,7 +62,7 @@ AVX512_TARGET ALWAYS_INLINE void dot_block_avx512(const fp8_scaled_mm_params* p,
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store_dot(p, m0 + r, n0 + c, _mm512_reduce_add_ps(BLOCKED ? total[r][c] : acc[r][c]));
+    for (int c = 0; c < COLS; ++c) fp8_store_dot_sum(p, m0 + r, n0 + c, _mm512_reduce_add_ps(BLOCKED ? total[r][c] : acc[r][c]));
 }
 
 /* Blocks of up to FLOAT_ROWS activation rows by FLOAT_COLS weight rows, with
