@@ -283,7 +283,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
   panel_position at = {n_begin, 0, n_begin};
   /* K-blocked scales: scale_a of block scale_k0 / 128 for every row group of the chunk; built
    * per panel, its masked gathers took ~6% of the call (4096 x 4096, M = 256, one core) */
-  __m512 scale_rows[AMX_ROW_CHUNK / AMX_ROWS + 1];
+  __m512 scale_rows[(int)AMX_ROW_CHUNK / AMX_ROWS + 1];
   int64_t scale_k0 = -1;
   panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0], AMX_PANEL_COLS);
   widen_units(&next, &t, next.left);
@@ -384,7 +384,7 @@ BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint1
                                             amx_model* model) {
   const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
   const int blocked = fp8_k_blocked(p);
-  const int64_t steps_per_block = FP8_SCALE_BLOCK / AMX_K;
+  const int64_t steps_per_block = (int64_t)FP8_SCALE_BLOCK / AMX_K;
   TILE_ZERO(0);
   if (both_rows) TILE_ZERO(1);
   if (both_cols) TILE_ZERO(2);

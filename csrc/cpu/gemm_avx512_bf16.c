@@ -386,7 +386,7 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
   const int64_t kp = plan->k_padded, k = p->k;
   const uint32_t* group = packed + (m_begin / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
   uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
-  float sums[SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
+  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
   for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
     const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
     const uint8_t* rows[SKINNY_COLS];
