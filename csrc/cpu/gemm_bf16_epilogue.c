@@ -47,27 +47,6 @@ BF16_TARGET ALWAYS_INLINE void transpose16_words(__m512i v[8]) {
   }
 }
 
-BF16_TARGET ALWAYS_INLINE __m512 load_bias16(const fp8_scaled_mm_params* p, int64_t n, __mmask16 mask) {
-  if (!p->bias) return _mm512_setzero_ps();
-  switch (p->bias_dtype) {
-    case FP8_BFLOAT16: {
-      const __m256i bits = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    }
-    case FP8_FLOAT16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p->bias + n));
-    default: return _mm512_maskz_loadu_ps(mask, (const float*)p->bias + n);
-  }
-}
-
-/* x[0] in every lane by a load from memory (vbroadcastss m32: a load port, no shuffle); as
- * _mm512_set1_ps of a value just stored, the compiler turned it into register permutes,
- * on the port the transposes need. */
-BF16_TARGET ALWAYS_INLINE __m512 broadcast_from_memory(const float* x) {
-  __m512 r;
-  __asm__("vbroadcastss %1, %0" : "=v"(r) : "m"(*x));
-  return r;
-}
-
 /* 16-bit outputs (bfloat16, float16: DTYPE): the block is scaled, biased and rounded
  * while still by column (one scale_b and bias per column, the rows' scale_a along it;
  * the same product and fma as store_block_rows, so the same bits), two columns to a
