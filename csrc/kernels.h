@@ -148,15 +148,29 @@ uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
 /* Whether either scale varies along K (block-wise scaling). */
 static inline int fp8_k_blocked(const fp8_scaled_mm_params* p) { return p->scale_a_blocked || p->scale_b_blocked; }
 
+/* The scales of a K-blocked call as a pointer and a step, for kernels that walk K block
+ * by block: scale_b(kb, n) = fp8_k_block_scale_b_at(p, n)[kb * fp8_k_block_scale_b_step(p)]
+ * (0 <= n < N), scale_a(m, kb) = fp8_k_block_scale_a_at(p, m)[kb * fp8_k_block_scale_a_step(p)]
+ * (0 <= m < M); a scale that does not vary along K has step 0. */
+static inline const float* fp8_k_block_scale_b_at(const fp8_scaled_mm_params* p, int64_t n) {
+  return p->scale_b + (p->scale_b_blocked ? (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride : p->scale_b_per_col ? n : 0);
+}
+static inline int64_t fp8_k_block_scale_b_step(const fp8_scaled_mm_params* p) {
+  return p->scale_b_blocked ? p->scale_b_k_stride : 0;
+}
+static inline const float* fp8_k_block_scale_a_at(const fp8_scaled_mm_params* p, int64_t m) {
+  return p->scale_a + (p->scale_a_blocked ? m * p->scale_a_row_stride : p->scale_a_per_row ? m : 0);
+}
+static inline int64_t fp8_k_block_scale_a_step(const fp8_scaled_mm_params* p) { return p->scale_a_blocked ? 1 : 0; }
+
 /* scale_b(kb, n) of a K-blocked call (kb: the block of 128 k; 0 <= n < N). */
 static inline float fp8_k_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
-  return p->scale_b_blocked ? p->scale_b[kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride]
-                            : p->scale_b[p->scale_b_per_col ? n : 0];
+  return fp8_k_block_scale_b_at(p, n)[kb * fp8_k_block_scale_b_step(p)];
 }
 
 /* scale_a(m, kb) of a K-blocked call (kb: the block of 128 k; 0 <= m < M). */
 static inline float fp8_k_block_scale_a(const fp8_scaled_mm_params* p, int64_t m, int64_t kb) {
-  return p->scale_a_blocked ? p->scale_a[m * p->scale_a_row_stride + kb] : p->scale_a[p->scale_a_per_row ? m : 0];
+  return fp8_k_block_scale_a_at(p, m)[kb * fp8_k_block_scale_a_step(p)];
 }
 
 /* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call. */

@@ -102,6 +102,12 @@ ALWAYS_INLINE float fp8_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, 
 
 /* ---- epilogue pieces ------------------------------------------------------- */
 
+/* scale_b of output columns [n, n + 16) (masked) of a call whose scales do not vary along K:
+ * one per column, or the one scale broadcast. */
+BF16_TARGET ALWAYS_INLINE __m512 load_scale_b16(const fp8_scaled_mm_params* p, int64_t n, __mmask16 mask) {
+  return p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
+}
+
 /* bias[n, n + 16) (masked) as float32, zero without a bias. */
 BF16_TARGET ALWAYS_INLINE __m512 load_bias16(const fp8_scaled_mm_params* p, int64_t n, __mmask16 mask) {
   if (!p->bias) return _mm512_setzero_ps();

@@ -139,13 +139,10 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
   const float* scale_b[DOT_COLS];
   int64_t step_a = 0, step_b = 0;
   if (BLOCKED) {
-    step_a = p->scale_a_blocked ? 1 : 0;
-    step_b = p->scale_b_blocked ? p->scale_b_k_stride : 0;
-    for (int r = 0; r < ROWS; ++r)
-      scale_a[r] = p->scale_a + (p->scale_a_blocked ? (m0 + r) * p->scale_a_row_stride : p->scale_a_per_row ? m0 + r : 0);
-    for (int c = 0; c < COLS; ++c)
-      scale_b[c] = p->scale_b + (p->scale_b_blocked ? ((n0 + c) / FP8_SCALE_BLOCK) * p->scale_b_n_stride
-                                                     : p->scale_b_per_col ? n0 + c : 0);
+    step_a = fp8_k_block_scale_a_step(p);
+    step_b = fp8_k_block_scale_b_step(p);
+    for (int r = 0; r < ROWS; ++r) scale_a[r] = fp8_k_block_scale_a_at(p, m0 + r);
+    for (int c = 0; c < COLS; ++c) scale_b[c] = fp8_k_block_scale_b_at(p, n0 + c);
   }
   __m256 acc[DOT_ROWS][DOT_COLS];
   float total[DOT_ROWS][DOT_COLS][8] __attribute__((aligned(32)));

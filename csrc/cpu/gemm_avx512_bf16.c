@@ -109,8 +109,7 @@ BF16_TARGET ALWAYS_INLINE void store_row16(const fp8_scaled_mm_params* p, int64_
   const __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
   __m512 scale = _mm512_set1_ps(1.0f);
   if (!fp8_k_blocked(p)) {
-    const __m512 scale_b = p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n) : _mm512_set1_ps(p->scale_b[0]);
-    scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
+    scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), load_scale_b16(p, n, mask));
   }
   const __m512 value = _mm512_fmadd_ps(sums, scale, load_bias16(p, n, mask));
   const int64_t at = m * p->out_row_stride + n;
@@ -147,13 +146,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
    * from a register takes a shuffle-port uop, the port the widening is bound on). */
   const float* scale_rows[4];
   const float* scale_cols[4];
-  const int64_t row_step = p->scale_a_blocked ? 1 : 0, col_step = p->scale_b_blocked ? p->scale_b_k_stride : 0;
+  const int64_t row_step = fp8_k_block_scale_a_step(p), col_step = fp8_k_block_scale_b_step(p);
   if (BLOCKED) {
-    for (int r = 0; r < ROWS; ++r)
-      scale_rows[r] = p->scale_a + (p->scale_a_blocked ? (m0 + r) * p->scale_a_row_stride : p->scale_a_per_row ? m0 + r : 0);
-    for (int c = 0; c < COLS; ++c)
-      scale_cols[c] = p->scale_b + (p->scale_b_blocked ? (n0 + c) / FP8_SCALE_BLOCK * p->scale_b_n_stride
-                                                       : p->scale_b_per_col ? n0 + c : 0);
+    for (int r = 0; r < ROWS; ++r) scale_rows[r] = fp8_k_block_scale_a_at(p, m0 + r);
+    for (int c = 0; c < COLS; ++c) scale_cols[c] = fp8_k_block_scale_b_at(p, n0 + c);
   }
   const int64_t k = p->k;
   int64_t block_end = k_padded < FP8_SCALE_BLOCK ? k_padded : FP8_SCALE_BLOCK; /* (k_padded: a multiple of 64) */

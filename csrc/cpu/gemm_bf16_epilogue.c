@@ -114,9 +114,7 @@ BF16_TARGET ALWAYS_INLINE void tile_epilogue16(const fp8_scaled_mm_params* p, co
   const int64_t n = n0 + c0;
   /* K-blocked calls: the sums come with their scales applied per block of 128 k */
   const int blocked = fp8_k_blocked(p);
-  const __m512 scale_b = blocked ? _mm512_set1_ps(1.0f)
-                         : p->scale_b_per_col ? _mm512_maskz_loadu_ps(mask, p->scale_b + n)
-                                              : _mm512_set1_ps(p->scale_b[0]);
+  const __m512 scale_b = blocked ? _mm512_set1_ps(1.0f) : load_scale_b16(p, n, mask);
   const __m512 bias = load_bias16(p, n, mask);
   /* columns past `cols` are never stored */
   const float* sums_block = sums + (c0 / 16) * layout.col_group + (r0 / 16) * layout.row_group;
