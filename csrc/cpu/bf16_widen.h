@@ -87,10 +87,10 @@ BF16_TARGET ALWAYS_INLINE __m512 fp8_block_scale_a16(const fp8_scaled_mm_params*
   if (p->scale_a_blocked) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)p->scale_a_row_stride));
-    const float* base = p->scale_a + (mask ? m0 * p->scale_a_row_stride + kb : 0);
+    const float* base = mask ? fp8_k_block_scale_a_at(p, m0) + kb * fp8_k_block_scale_a_step(p) : p->scale_a;
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, rows, base, 4);
   }
-  if (p->scale_a_per_row) return _mm512_maskz_loadu_ps(mask, p->scale_a + (mask ? m0 : 0));
+  if (p->scale_a_per_row) return _mm512_maskz_loadu_ps(mask, mask ? fp8_k_block_scale_a_at(p, m0) : p->scale_a);
   return _mm512_maskz_mov_ps(mask, _mm512_set1_ps(p->scale_a[0]));
 }
 

@@ -137,10 +137,8 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
    * per-channel time at M = 2-16) */
   const float* scale_a[DOT_ROWS];
   const float* scale_b[DOT_COLS];
-  int64_t step_a = 0, step_b = 0;
+  const int64_t step_a = fp8_k_block_scale_a_step(p), step_b = fp8_k_block_scale_b_step(p);
   if (BLOCKED) {
-    step_a = fp8_k_block_scale_a_step(p);
-    step_b = fp8_k_block_scale_b_step(p);
     for (int r = 0; r < ROWS; ++r) scale_a[r] = fp8_k_block_scale_a_at(p, m0 + r);
     for (int c = 0; c < COLS; ++c) scale_b[c] = fp8_k_block_scale_b_at(p, n0 + c);
   }

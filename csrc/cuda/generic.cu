@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(fp8_scaled_mm_params 
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int64_t m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
-          if (m < p.m && n < p.n) total[i][j] = fmaf(k_block_scale(p, m, n, kb), acc[i][j], total[i][j]);
+          if (m < p.m && n < p.n) total[i][j] = fmaf(fp8_k_block_scale(&p, m, n, kb), acc[i][j], total[i][j]);
           acc[i][j] = 0.0f;
         }
       }

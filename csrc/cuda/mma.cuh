@@ -295,22 +295,6 @@ __device__ __forceinline__ void mma_row_tile(float (&acc)[kColumnTiles][4], cons
   }
 }
 
-// scale_a(m, kb) and scale_b(kb, n) of a K-blocked call (kernels.h's fp8_k_block_scale
-// is their product, a * b); 0 <= m < M, 0 <= n < N.
-__device__ __forceinline__ float k_block_scale_a(const fp8_scaled_mm_params& p, int64_t m, int64_t kb) {
-  return p.scale_a_blocked ? __ldg(p.scale_a + m * p.scale_a_row_stride + kb)
-                           : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0));
-}
-
-__device__ __forceinline__ float k_block_scale_b(const fp8_scaled_mm_params& p, int64_t n, int64_t kb) {
-  return p.scale_b_blocked ? __ldg(p.scale_b + kb * p.scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p.scale_b_n_stride)
-                           : __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
-}
-
-__device__ __forceinline__ float k_block_scale(const fp8_scaled_mm_params& p, int64_t m, int64_t n, int64_t kb) {
-  return k_block_scale_a(p, m, kb) * k_block_scale_b(p, n, kb);
-}
-
 // A K-blocked tile product's end of a block of 128 k (the tensor-core kernels): the
 // float32 sums of that block, `block`, join `total` scaled by scale_a(m, kb) *
 // scale_b(kb, n), and `block` is cleared. One m16 x n8 accumulator of mma.sync per
@@ -328,8 +312,8 @@ __device__ __forceinline__ void add_scaled_block(float (&total)[kRowTiles][kColu
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t r = row0 + 16 * i + 8 * h;
-      row_scale[i][h] = rows_are_a ? (r < p.m ? k_block_scale_a(p, r, kb) : 0.0f)
-                                   : (r < p.n ? k_block_scale_b(p, r, kb) : 0.0f);
+      row_scale[i][h] = rows_are_a ? (r < p.m ? fp8_k_block_scale_a(&p, r, kb) : 0.0f)
+                                   : (r < p.n ? fp8_k_block_scale_b(&p, r, kb) : 0.0f);
     }
   }
 #pragma unroll
@@ -337,8 +321,8 @@ __device__ __forceinline__ void add_scaled_block(float (&total)[kRowTiles][kColu
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t c = col0 + 8 * j + h;
-      col_scale[j][h] = rows_are_a ? (c < p.n ? k_block_scale_b(p, c, kb) : 0.0f)
-                                   : (c < p.m ? k_block_scale_a(p, c, kb) : 0.0f);
+      col_scale[j][h] = rows_are_a ? (c < p.n ? fp8_k_block_scale_b(&p, c, kb) : 0.0f)
+                                   : (c < p.m ? fp8_k_block_scale_a(&p, c, kb) : 0.0f);
     }
   }
 #pragma unroll
@@ -349,7 +333,7 @@ __device__ __forceinline__ void add_scaled_block(float (&total)[kRowTiles][kColu
       for (int e = 0; e < 4; ++e) {
         const float a_scale = rows_are_a ? row_scale[i][e / 2] : col_scale[j][e % 2];
         const float b_scale = rows_are_a ? col_scale[j][e % 2] : row_scale[i][e / 2];
-        total[i][j][e] = fmaf(a_scale * b_scale, block[i][j][e], total[i][j][e]);  // as k_block_scale(...) * sum
+        total[i][j][e] = fmaf(a_scale * b_scale, block[i][j][e], total[i][j][e]);  // as fp8_k_block_scale(...) * sum
         block[i][j][e] = 0.0f;
       }
     }
