@@ -116,7 +116,7 @@ using namespace fp8cuda;
 
 const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
   if (major * 10 + minor < 89) return "cuBLASLt FP8 needs compute capability 8.9 or newer";
-  if (p->scale_a_blocked || p->scale_b_blocked) return "block-wise scales: cuBLASLt's block scaling is not used yet";
+  if (fp8_k_blocked(p)) return "block-wise scales: cuBLASLt's block scaling is not used yet";
   if (p->a_is_float) return "cuBLASLt FP8 needs fp8 activations (a is a float dtype: weight-only)";
   if (p->a_format == FP8_E5M2 && p->b_format == FP8_E5M2) return "cuBLASLt has no e5m2 x e5m2 GEMM";
   if (p->k == 0) return "K = 0 has no products";

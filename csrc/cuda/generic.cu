@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(fp8_scaled_mm_params 
   // a row-major activation or a Linear weight seen as w.t()), so loads coalesce.
   const bool a_k_fastest = p.a_col_stride == 1, b_k_fastest = p.b_row_stride == 1;
   float acc[4][4] = {}, total[4][4] = {};
-  const bool blocked = p.scale_a_blocked || p.scale_b_blocked;
+  const bool blocked = fp8_k_blocked(&p);
   for (int64_t k0 = 0; k0 < p.k; k0 += kDepth) {
     // Each tile holds 64 x 16 values: 4 per thread.
 #pragma unroll

@@ -344,7 +344,7 @@ __device__ __forceinline__ void add_scaled_block(float (&total)[kRowTiles][kColu
 __device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int64_t m, int64_t n, float acc) {
   if (m >= p.m || n >= p.n) return;
   // K-blocked calls come with the scales applied per block of 128 k
-  const bool blocked = p.scale_a_blocked || p.scale_b_blocked;
+  const bool blocked = fp8_k_blocked(&p);
   const float scale = blocked ? 1.0f
                               : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
   // K = 0 (the generic kernel takes it): an empty sum, so exactly the bias, whatever the
