@@ -164,6 +164,15 @@ static inline FP8_HOST_DEVICE int fp8_k_blocked(const fp8_scaled_mm_params* p) {
   return p->scale_a_blocked || p->scale_b_blocked;
 }
 
+/* scale_a(m) and scale_b(n) of a call whose scales do not vary along K: per tensor, per
+ * row of a, per column of b (0 <= m < M, 0 <= n < N). */
+static inline FP8_HOST_DEVICE float fp8_scale_a(const fp8_scaled_mm_params* p, int64_t m) {
+  return FP8_SCALE_LOAD(p->scale_a + (p->scale_a_per_row ? m : 0));
+}
+static inline FP8_HOST_DEVICE float fp8_scale_b(const fp8_scaled_mm_params* p, int64_t n) {
+  return FP8_SCALE_LOAD(p->scale_b + (p->scale_b_per_col ? n : 0));
+}
+
 /* The scales of a K-blocked call as a pointer and a step, for kernels that walk K block
  * by block: scale_b(kb, n) = fp8_k_block_scale_b_at(p, n)[kb * fp8_k_block_scale_b_step(p)]
  * (0 <= n < N), scale_a(m, kb) = fp8_k_block_scale_a_at(p, m)[kb * fp8_k_block_scale_a_step(p)]
@@ -188,13 +197,13 @@ static inline FP8_HOST_DEVICE int64_t fp8_k_block_scale_a_step(const fp8_scaled_
 static inline FP8_HOST_DEVICE float fp8_k_block_scale_b(const fp8_scaled_mm_params* p, int64_t n, int64_t kb) {
   return p->scale_b_blocked
              ? FP8_SCALE_LOAD(p->scale_b + kb * p->scale_b_k_stride + (n / FP8_SCALE_BLOCK) * p->scale_b_n_stride)
-             : FP8_SCALE_LOAD(p->scale_b + (p->scale_b_per_col ? n : 0));
+             : fp8_scale_b(p, n);
 }
 
 /* scale_a(m, kb) of a K-blocked call (kb: the block of 128 k; 0 <= m < M). */
 static inline FP8_HOST_DEVICE float fp8_k_block_scale_a(const fp8_scaled_mm_params* p, int64_t m, int64_t kb) {
   return p->scale_a_blocked ? FP8_SCALE_LOAD(p->scale_a + m * p->scale_a_row_stride + kb)
-                            : FP8_SCALE_LOAD(p->scale_a + (p->scale_a_per_row ? m : 0));
+                            : fp8_scale_a(p, m);
 }
 
 /* scale_a(m, kb) * scale_b(kb, n) of a K-blocked call. */

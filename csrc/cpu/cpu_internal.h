@@ -55,7 +55,7 @@ static inline void fp8_store_float(void* out, fp8_float_dtype dtype, int64_t i, 
 /* Output (m, n) of a float32 dot kernel from its sum: scaled (unless a K-blocked call
  * applied the scales per block), biased and rounded once. */
 static inline void fp8_store_dot_sum(const fp8_scaled_mm_params* p, int64_t m, int64_t n, float sum) {
-  const float scale = fp8_k_blocked(p) ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0] * p->scale_b[p->scale_b_per_col ? n : 0];
+  const float scale = fp8_k_blocked(p) ? 1.0f : fp8_scale_a(p, m) * fp8_scale_b(p, n);
   const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }

@@ -42,7 +42,7 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
     }
     for (int64_t n = n_begin; n < n_end; ++n) {
       for (int64_t i = 0; i < k; ++i) b_column[i] = decode_b[p->b[i * p->b_row_stride + n * p->b_col_stride]];
-      const float scale_b = fp8_k_blocked(p) ? 1.0f : p->scale_b[p->scale_b_per_col ? n : 0]; /* blocked: per block below */
+      const float scale_b = fp8_k_blocked(p) ? 1.0f : fp8_scale_b(p, n); /* blocked: per block below */
       const float bias = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
       for (int64_t r = 0; r < rows; ++r) {
         const float* a_row = a_block + r * k;
@@ -59,7 +59,7 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
         }
         float acc = 0.0f;
         for (int64_t i = 0; i < k; ++i) acc += a_row[i] * b_column[i];
-        const float scale = p->scale_a[p->scale_a_per_row ? m0 + r : 0] * scale_b;
+        const float scale = fp8_scale_a(p, m0 + r) * scale_b;
         /* K = 0: an empty sum, so exactly the bias, whatever the scales (0 * inf is NaN) */
         fp8_store_float(p->out, p->out_dtype, (m0 + r) * p->out_row_stride + n, (k == 0 ? 0.0f : acc * scale) + bias);
       }

@@ -334,11 +334,11 @@ AVX2_TARGET ALWAYS_INLINE void panel_epilogue(const fp8_scaled_mm_params* p, con
   const int blocked = fp8_k_blocked(p);
   for (int c = 0; c < PANEL_COLS; ++c) {
     const int64_t n = n0 + (c < cols ? c : 0);
-    col_scale[c] = blocked ? 1.0f : p->scale_b[p->scale_b_per_col ? n : 0];
+    col_scale[c] = blocked ? 1.0f : fp8_scale_b(p, n);
     bias[c] = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
   }
   for (int64_t m = m_begin; m < m_end; ++m) {
-    const float row_scale = blocked ? 1.0f : p->scale_a[p->scale_a_per_row ? m : 0];
+    const float row_scale = blocked ? 1.0f : fp8_scale_a(p, m);
     const float* s = sums + (m - m_begin) * PANEL_COLS;
     float values[PANEL_COLS] __attribute__((aligned(32)));
     for (int h = 0; h < PANEL_COLS; h += 8) {

@@ -109,7 +109,7 @@ BF16_TARGET ALWAYS_INLINE void store_row16(const fp8_scaled_mm_params* p, int64_
   const __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
   __m512 scale = _mm512_set1_ps(1.0f);
   if (!fp8_k_blocked(p)) {
-    scale = _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), load_scale_b16(p, n, mask));
+    scale = _mm512_mul_ps(_mm512_set1_ps(fp8_scale_a(p, m)), load_scale_b16(p, n, mask));
   }
   const __m512 value = _mm512_fmadd_ps(sums, scale, load_bias16(p, n, mask));
   const int64_t at = m * p->out_row_stride + n;

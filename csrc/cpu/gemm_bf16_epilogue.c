@@ -98,7 +98,7 @@ BF16_TARGET ALWAYS_INLINE void store_block_rows(const fp8_scaled_mm_params* p, c
     if (j >= valid_rows) break;
     const int64_t m = m_first + j;
     /* K-blocked calls: the sums come with their scales applied per block of 128 k */
-    const __m512 scale = BLOCKED ? scale_b : _mm512_mul_ps(_mm512_set1_ps(p->scale_a[p->scale_a_per_row ? m : 0]), scale_b);
+    const __m512 scale = BLOCKED ? scale_b : _mm512_mul_ps(_mm512_set1_ps(fp8_scale_a(p, m)), scale_b);
     _mm512_mask_storeu_ps((float*)p->out + m * p->out_row_stride + n, mask, _mm512_fmadd_ps(block[j], scale, bias));
   }
 }

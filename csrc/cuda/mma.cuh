@@ -345,8 +345,7 @@ __device__ __forceinline__ void store_result(const fp8_scaled_mm_params& p, int6
   if (m >= p.m || n >= p.n) return;
   // K-blocked calls come with the scales applied per block of 128 k
   const bool blocked = fp8_k_blocked(&p);
-  const float scale = blocked ? 1.0f
-                              : __ldg(p.scale_a + (p.scale_a_per_row ? m : 0)) * __ldg(p.scale_b + (p.scale_b_per_col ? n : 0));
+  const float scale = blocked ? 1.0f : fp8_scale_a(&p, m) * fp8_scale_b(&p, n);
   // K = 0 (the generic kernel takes it): an empty sum, so exactly the bias, whatever the
   // scales (0 * inf is NaN)
   float value = p.k == 0 ? 0.0f : acc * scale;
