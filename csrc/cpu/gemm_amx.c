@@ -333,9 +333,9 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
          * covers neither (no counters to tell in the VM measured): each group's packed
          * activations of one K block (8 KiB) lie far from the next group's, and the sums
          * are read 4 KiB at a time. scaled_mm, Intel Xeon with AMX, time with / without,
-         * medians of 8-20 alternated calls: 4096 x 14336, M = 512-2048: 0.91-0.96;
-         * 14336 x 4096: 0.88-0.91 (one run 1.06); 4096 x 4096: 0.94-0.98. Results
-         * unchanged. */
+         * medians of 8-20 alternated calls: 4096 x 14336, M = 512-2048: 0.91-0.96 (two
+         * runs on a host whose base time doubled meanwhile: 1.11, 1.45); 14336 x 4096:
+         * 0.88-0.91 (one run 1.06); 4096 x 4096: 0.93-0.98. Results unchanged. */
         float* block_sums = panel_sums + g * layout.col_group + (r0 / AMX_ROWS) * layout.row_group;
         const float* next_sums = g + 2 < col_groups ? block_sums + 2 * layout.col_group
                                  : r0 + 2 * AMX_ROWS < rows ? panel_sums + (r0 / AMX_ROWS + 2) * layout.row_group
