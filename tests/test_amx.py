@@ -1,4 +1,4 @@
-"""The AMX kernels (csrc/cpu/gemm_amx.c): detection, every sub-kernel against the
+"""The AMX kernels (csrc/cpu/gemm_amx*.c): detection, every sub-kernel against the
 reference, the C model of the tile instructions against the hardware, and tile state
 shared with oneDNN.
 

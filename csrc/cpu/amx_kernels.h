@@ -1,6 +1,6 @@
-/* What the AMX kernels share: gemm_amx.c (the full-K and panel kernels, and the entry
- * that configures the tiles) and gemm_amx_stream.c (the stream kernel, M <= 64). Only
- * those two include this. */
+/* What the AMX kernels share: gemm_amx.c (the panel kernel, and the entry that
+ * configures the tiles and dispatches), gemm_amx_full_k.c (the full-K kernel) and
+ * gemm_amx_stream.c (the stream kernel, M <= 64). Only those three include this. */
 #ifndef FP8LINEAR_AMX_KERNELS_H
 #define FP8LINEAR_AMX_KERNELS_H
 
@@ -41,12 +41,172 @@ BF16_TARGET ALWAYS_INLINE void add_scaled_block(const fp8_scaled_mm_params* p, c
   }
 }
 
+/* ---- what the full-K and panel kernels share --------------------------------- */
+
+enum {
+  AMX_ROW_CHUNK = 512, /* activation rows per sweep over the weights */
+  AMX_BLOCK_TILES_BYTES = 4 * AMX_ROWS * AMX_ROWS * (int)sizeof(float) /* a 2 x 2 block's C tiles, stored */
+};
+
+/* A panel is weight rows [n0, n0 + cols) at k [k0, k0 + k_block), widened into A
+ * tiles: panel[group of 16 rows][k step of 32][16 rows][32 bf16], each tile 1 KiB
+ * contiguous (rows past `cols` are zero). widen64 gives a row's 64 k as two halves in
+ * interleave order; each half is one k step's tile row, matching the packed
+ * activations' pairs. The widening is cut into units of 64 codes of one row, so that
+ * the next panel can be widened a few units at a time between the tile products of
+ * this one: the shuffles then run on the vector ports while the AMX unit multiplies.
+ * In phases of their own, the two added up (4096 x 4096, M = 1024, one core: the
+ * widening cost 12 of 33.5 ms). */
+typedef struct {
+  uintptr_t src;         /* the next unit's 64 codes (an integer: past the last weight row it
+                          * runs beyond the weights, never read there) */
+  uint16_t* dest;        /* where its first half goes (the second: one tile further) */
+  int64_t b_col_stride;  /* codes between weight rows */
+  int64_t k_left;        /* codes of a row from the next unit to the end of K */
+  int64_t k_left_row;    /* codes of a row from the panel's k0 to the end of K */
+  int64_t units_per_row; /* k_block / 64 */
+  int64_t steps;         /* k_block / 32: tiles per row group */
+  int64_t col, unit;     /* the next unit: panel row, and 64-code unit within it */
+  int64_t cols;          /* rows of the panel that exist (the others, up to its height, are zero) */
+  int64_t height;        /* rows of the panel: AMX_PANEL_COLS, or AMX_FULL_K_COLS for the full-K kernel */
+  int64_t left;          /* units still to widen */
+  uint16_t* panel;
+} panel_widener;
+
+ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
+  return panel + (col / AMX_ROWS) * steps * AMX_TILE_BF16 + (col % AMX_ROWS) * AMX_K;
+}
+
+static inline panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols, int64_t k0,
+                                             int64_t k_block, uint16_t* panel, int64_t height) {
+  panel_widener w;
+  w.src = (uintptr_t)(p->b + n0 * p->b_col_stride + k0);
+  w.b_col_stride = p->b_col_stride;
+  w.k_left = w.k_left_row = p->k - k0;
+  w.units_per_row = k_block / 64;
+  w.steps = k_block / AMX_K;
+  w.col = w.unit = 0;
+  w.cols = cols;
+  w.height = height;
+  w.left = height * w.units_per_row;
+  w.panel = panel;
+  w.dest = panel_row(panel, w.steps, 0);
+  return w;
+}
+
+/* `count` more units (or all that are left), row by row: no division in the loop, which
+ * runs between tile products. */
+BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_t* t, int64_t count) {
+  for (count = count < w->left ? count : w->left; count > 0; --count) {
+    if (w->col < w->cols) {
+      /* into L2, the same unit of the panel widened after this one (the next 64 weight
+       * rows, in the order of next_panel): 64 rows at a time are more streams than the
+       * hardware prefetchers follow, and the same row's next K block, which the tile
+       * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
+       * one core: 26.1 -> 24.8 ms) */
+      _mm_prefetch(address_at((const void*)w->src, w->height * w->b_col_stride), _MM_HINT_T1);
+      __m512i out0, out1;
+      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), (const void*)w->src), &out0, &out1);
+      _mm512_store_si512(w->dest, out0);
+      _mm512_store_si512(w->dest + AMX_TILE_BF16, out1);
+    } else {
+      _mm512_store_si512(w->dest, _mm512_setzero_si512());
+      _mm512_store_si512(w->dest + AMX_TILE_BF16, _mm512_setzero_si512());
+    }
+    --w->left;
+    if (++w->unit < w->units_per_row) {
+      w->src += 64;
+      w->k_left -= 64;
+      w->dest += 2 * AMX_TILE_BF16;
+    } else {
+      w->unit = 0;
+      ++w->col;
+      w->src += (uintptr_t)(w->b_col_stride - 64 * (w->units_per_row - 1));
+      w->k_left = w->k_left_row;
+      w->dest = panel_row(w->panel, w->steps, w->col);
+    }
+  }
+}
+
+/* One k step of 32 on the 2 x 2 block of C tiles 0-3 (those that exist: weight-row
+ * groups g, g + 1 x activation-row groups r, r + 1): A tiles 4-5 from the panels' row
+ * groups g and g + 1, B tiles 6-7 from the packed activations of groups r and r + 1.
+ * `b_once`: the B tiles are not used again soon (the full-K kernel, whose activations
+ * stream past a panel), so they are loaded with TILELOADDT1, which keeps them from
+ * evicting the panel from L1. Tile products alone (K = 576, 512 rows past one panel, one
+ * core) took 95 cycles per step with plain loads, 79 with this, 66 all from L1; in the
+ * full-K kernel, 2 threads, M = 512: 1536 x 576 608 -> 582 us, 576 x 576 220 -> 202. The
+ * panel kernel reads each B tile twice (two column pairs), so it keeps plain loads
+ * (with this hint, 4096 x 14336, M = 512: 32.3 -> 35.4 ms). */
+BF16_TARGET ALWAYS_INLINE void tile_step(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
+                                         const uint32_t* b1, int64_t s, const int b_once, const int both_cols,
+                                         const int both_rows, const int emulated, amx_model* model) {
+  TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
+  if (b_once) TILE_LOAD_T1(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
+  else TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
+  TILE_DPBF16PS(0, 4, 6);
+  if (both_rows) {
+    if (b_once) TILE_LOAD_T1(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
+    else TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
+    TILE_DPBF16PS(1, 4, 7);
+  }
+  if (both_cols) {
+    TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
+    TILE_DPBF16PS(2, 5, 6);
+    if (both_rows) TILE_DPBF16PS(3, 5, 7);
+  }
+}
+
+/* K-blocked calls: the C tiles 0-3 that exist, one block of 128 k, stored into `tiles`
+ * (4 KiB, one 1 KiB tile each) and added with block kb's scales into their running sums
+ * s00, s01 (weight-row group g; activation-row groups r, r + 1), s10, s11 (group g + 1);
+ * scale_rows[0], [1]: scale_a of the two activation-row groups (fp8_block_scale_a16). */
+BF16_TARGET ALWAYS_INLINE void add_block_tiles(const fp8_scaled_mm_params* p, float* tiles, float* s00, float* s01,
+                                               float* s10, float* s11, int64_t n_first, const __m512* scale_rows,
+                                               int64_t kb, int first, const int both_cols, const int both_rows,
+                                               const int emulated, amx_model* model) {
+  const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
+  TILE_STORE(0, tiles, stride);
+  add_scaled_block(p, tiles, s00, n_first, scale_rows[0], kb, first);
+  if (both_rows) {
+    TILE_STORE(1, tiles + tile_floats, stride);
+    add_scaled_block(p, tiles + tile_floats, s01, n_first, scale_rows[1], kb, first);
+  }
+  if (both_cols) {
+    TILE_STORE(2, tiles + 2 * tile_floats, stride);
+    add_scaled_block(p, tiles + 2 * tile_floats, s10, n_first + AMX_ROWS, scale_rows[0], kb, first);
+  }
+  if (both_cols && both_rows) {
+    TILE_STORE(3, tiles + 3 * tile_floats, stride);
+    add_scaled_block(p, tiles + 3 * tile_floats, s11, n_first + AMX_ROWS, scale_rows[1], kb, first);
+  }
+}
+
+/* fn(args..., both_cols, both_rows, emulated, model) with both flags as constants, so
+ * that each of the four shapes of a 2 x 2 block compiles without their branches. */
+#define TWO_BY_TWO_CASES(fn, ...)                                                               \
+  switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
+    case 3: fn(__VA_ARGS__, 1, 1, emulated, model); break;                                      \
+    case 2: fn(__VA_ARGS__, 1, 0, emulated, model); break;                                      \
+    case 1: fn(__VA_ARGS__, 0, 1, emulated, model); break;                                      \
+    default: fn(__VA_ARGS__, 0, 0, emulated, model); break;                                     \
+  }
+
 /* The stream kernel (gemm_amx_stream.c), on tiles gemm_amx.c has configured: the real
  * instructions, or the model's. Its scratch: what it uses, before the model. */
 int64_t fp8_amx_stream_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_amx_stream_hardware(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
                              uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 void fp8_amx_stream_emulated(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
+                             uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end,
+                             amx_model* model);
+
+/* The full-K kernel (gemm_amx_full_k.c: M > 64, K <= FP8_AMX_FULL_K_MAX), likewise, and
+ * its scratch (before the model). */
+int64_t fp8_amx_full_k_scratch_bytes(const fp8_cpu_mm_plan* plan);
+void fp8_amx_full_k_hardware(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
+                             uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+void fp8_amx_full_k_emulated(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
                              uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end,
                              amx_model* model);
 

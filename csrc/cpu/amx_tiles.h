@@ -1,4 +1,4 @@
-/* The AMX tile instructions the kernels of gemm_amx.c and gemm_amx_stream.c use, either on the hardware or
+/* The AMX tile instructions the kernels of gemm_amx*.c use, either on the hardware or
  * as a C model of the tile registers (the amx_emulated variant), behind the same macros.
  *
  * The model follows the pseudocode of TDPBF16PS in Intel's SDM, and was matched bit for

@@ -87,7 +87,7 @@ void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const float* sums, fp
 void fp8_bf16_tile_epilogue16(const fp8_scaled_mm_params* p, const float* sums, fp8_sums_layout layout,
                               int64_t m_begin, int64_t m_end, int64_t n0, int64_t cols, int64_t r0, int64_t c0);
 
-/* The AMX kernels (gemm_amx.c): plan->variant picks the real tile instructions or
+/* The AMX kernels (gemm_amx*.c): plan->variant picks the real tile instructions or
  * their C model; activations packed by fp8_bf16_prepare. Up to FP8_AMX_STREAM_MAX_ROWS
  * (padded) rows the stream kernel runs, 16 weight rows at a time (the plan's tile_n);
  * above, 64 at a time, the full-K kernel up to a padded K of FP8_AMX_FULL_K_MAX (the C

@@ -11,11 +11,11 @@
  * Three kernels, by M and K (the dot kernel of gemm_avx512_bf16.c keeps M = 1, see gemm.c):
  * - the stream kernel (M <= 64, gemm_amx_stream.c): the weights are read once, from
  *   memory, 16 rows side by side over all of K; C tiles stay in registers for all of K;
- * - the full-K kernel (M > 64, K <= AMX_FULL_K_MAX): panels of 32 weight rows x all of
- *   K, each used by a chunk of activation rows, with 2 x 2 C tiles (4 tile loads per 4
- *   tile products, the most reuse 8 tiles allow) kept in registers for all of K, and each
- *   32 x 32 output block finished right after its products;
- * - the panel kernel (M > 64, larger K): panels of 64 weight rows x 256 k, each used by a
+ * - the full-K kernel (M > 64, K <= FP8_AMX_FULL_K_MAX, gemm_amx_full_k.c): panels of 32
+ *   weight rows x all of K, each used by a chunk of activation rows, with 2 x 2 C tiles
+ *   (4 tile loads per 4 tile products, the most reuse 8 tiles allow) kept in registers
+ *   for all of K, and each 32 x 32 output block finished right after its products;
+ * - the panel kernel (M > 64, larger K, this file): panels of 64 weight rows x 256 k, each used by a
  *   chunk of up to 512 activation rows, with 2 x 2 C tiles whose sums are kept in memory
  *   between K blocks.
  *
@@ -24,163 +24,25 @@
  * any CPU with AVX512-BF16: QEMU does not emulate AMX and Intel's SDE is not installable
  * here.
  *
+ * The pieces the full-K and panel kernels share (weight panels and their widening, the
+ * tile step) are in amx_kernels.h; the tile configuration and the dispatch by M and K
+ * are at the end of this file.
+ *
  * Tiles belong to the thread: each call saves the thread's tile configuration
  * (sttilecfg), loads its own, and on leaving restores the saved one or, if the thread
  * had none, releases the tiles (tilerelease), so that oneDNN's tile use in the same
  * thread (bf16 nn.Linear) finds what it left. The per-process permission is requested
  * once in cpu_features.c, which selects this variant only if it was granted.
  */
-#include <string.h>
-
 #include "amx_kernels.h"
 
 enum {
-  AMX_PANEL_COLS = 64,              /* weight rows widened together: 4 A tiles tall */
-  AMX_K_BLOCK = 256,                /* k per widened panel: 64 x 256 bf16 = 32 KiB */
-  AMX_ROW_CHUNK = 512,              /* activation rows per sweep over the weights */
-  AMX_COL_BLOCK = 512,              /* weight rows whose panels share a K block of activations */
-  AMX_FULL_K_COLS = 32,             /* the full-K kernel's panels: 2 A tiles tall, all of K */
-  AMX_FULL_K_MAX = FP8_AMX_FULL_K_MAX, /* up to this (padded) K */
-  AMX_FULL_K_CHUNK_BYTES = 1 << 20  /* packed activations per row chunk of the full-K kernel: half of L2 */
+  AMX_PANEL_COLS = 64, /* weight rows widened together: 4 A tiles tall */
+  AMX_K_BLOCK = 256,   /* k per widened panel: 64 x 256 bf16 = 32 KiB */
+  AMX_COL_BLOCK = 512  /* weight rows whose panels share a K block of activations */
 };
 
-/* ---- weight panels ----------------------------------------------------------- */
-
-/* A panel is weight rows [n0, n0 + cols) at k [k0, k0 + k_block), widened into A
- * tiles: panel[group of 16 rows][k step of 32][16 rows][32 bf16], each tile 1 KiB
- * contiguous (rows past `cols` are zero). widen64 gives a row's 64 k as two halves in
- * interleave order; each half is one k step's tile row, matching the packed
- * activations' pairs. The widening is cut into units of 64 codes of one row, so that
- * the next panel can be widened a few units at a time between the tile products of
- * this one: the shuffles then run on the vector ports while the AMX unit multiplies.
- * In phases of their own, the two added up (4096 x 4096, M = 1024, one core: the
- * widening cost 12 of 33.5 ms). */
-typedef struct {
-  uintptr_t src;         /* the next unit's 64 codes (an integer: past the last weight row it
-                          * runs beyond the weights, never read there) */
-  uint16_t* dest;        /* where its first half goes (the second: one tile further) */
-  int64_t b_col_stride;  /* codes between weight rows */
-  int64_t k_left;        /* codes of a row from the next unit to the end of K */
-  int64_t k_left_row;    /* codes of a row from the panel's k0 to the end of K */
-  int64_t units_per_row; /* k_block / 64 */
-  int64_t steps;         /* k_block / 32: tiles per row group */
-  int64_t col, unit;     /* the next unit: panel row, and 64-code unit within it */
-  int64_t cols;          /* rows of the panel that exist (the others, up to its height, are zero) */
-  int64_t height;        /* rows of the panel: AMX_PANEL_COLS, or AMX_FULL_K_COLS for the full-K kernel */
-  int64_t left;          /* units still to widen */
-  uint16_t* panel;
-} panel_widener;
-
-ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
-  return panel + (col / AMX_ROWS) * steps * AMX_TILE_BF16 + (col % AMX_ROWS) * AMX_K;
-}
-
-static panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols, int64_t k0,
-                                      int64_t k_block, uint16_t* panel, int64_t height) {
-  panel_widener w;
-  w.src = (uintptr_t)(p->b + n0 * p->b_col_stride + k0);
-  w.b_col_stride = p->b_col_stride;
-  w.k_left = w.k_left_row = p->k - k0;
-  w.units_per_row = k_block / 64;
-  w.steps = k_block / AMX_K;
-  w.col = w.unit = 0;
-  w.cols = cols;
-  w.height = height;
-  w.left = height * w.units_per_row;
-  w.panel = panel;
-  w.dest = panel_row(panel, w.steps, 0);
-  return w;
-}
-
-/* `count` more units (or all that are left), row by row: no division in the loop, which
- * runs between tile products. */
-BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_t* t, int64_t count) {
-  for (count = count < w->left ? count : w->left; count > 0; --count) {
-    if (w->col < w->cols) {
-      /* into L2, the same unit of the panel widened after this one (the next 64 weight
-       * rows, in the order of next_panel): 64 rows at a time are more streams than the
-       * hardware prefetchers follow, and the same row's next K block, which the tile
-       * kernel prefetches, is used only a column block later (M = 1024, 4096 x 4096,
-       * one core: 26.1 -> 24.8 ms) */
-      _mm_prefetch(address_at((const void*)w->src, w->height * w->b_col_stride), _MM_HINT_T1);
-      __m512i out0, out1;
-      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), (const void*)w->src), &out0, &out1);
-      _mm512_store_si512(w->dest, out0);
-      _mm512_store_si512(w->dest + AMX_TILE_BF16, out1);
-    } else {
-      _mm512_store_si512(w->dest, _mm512_setzero_si512());
-      _mm512_store_si512(w->dest + AMX_TILE_BF16, _mm512_setzero_si512());
-    }
-    --w->left;
-    if (++w->unit < w->units_per_row) {
-      w->src += 64;
-      w->k_left -= 64;
-      w->dest += 2 * AMX_TILE_BF16;
-    } else {
-      w->unit = 0;
-      ++w->col;
-      w->src += (uintptr_t)(w->b_col_stride - 64 * (w->units_per_row - 1));
-      w->k_left = w->k_left_row;
-      w->dest = panel_row(w->panel, w->steps, w->col);
-    }
-  }
-}
-
-/* ---- the kernel body ---------------------------------------------------------- */
-
-/* One k step of 32 on the 2 x 2 block of C tiles 0-3 (those that exist: weight-row
- * groups g, g + 1 x activation-row groups r, r + 1): A tiles 4-5 from the panels' row
- * groups g and g + 1, B tiles 6-7 from the packed activations of groups r and r + 1.
- * `b_once`: the B tiles are not used again soon (the full-K kernel, whose activations
- * stream past a panel), so they are loaded with TILELOADDT1, which keeps them from
- * evicting the panel from L1. Tile products alone (K = 576, 512 rows past one panel, one
- * core) took 95 cycles per step with plain loads, 79 with this, 66 all from L1; in the
- * full-K kernel, 2 threads, M = 512: 1536 x 576 608 -> 582 us, 576 x 576 220 -> 202. The
- * panel kernel reads each B tile twice (two column pairs), so it keeps plain loads
- * (with this hint, 4096 x 14336, M = 512: 32.3 -> 35.4 ms). */
-BF16_TARGET ALWAYS_INLINE void tile_step(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
-                                         const uint32_t* b1, int64_t s, const int b_once, const int both_cols,
-                                         const int both_rows, const int emulated, amx_model* model) {
-  TILE_LOAD(4, panel_g + s * AMX_TILE_BF16, 64);
-  if (b_once) TILE_LOAD_T1(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
-  else TILE_LOAD(6, b0 + s * AMX_ROWS * AMX_ROWS, 64);
-  TILE_DPBF16PS(0, 4, 6);
-  if (both_rows) {
-    if (b_once) TILE_LOAD_T1(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
-    else TILE_LOAD(7, b1 + s * AMX_ROWS * AMX_ROWS, 64);
-    TILE_DPBF16PS(1, 4, 7);
-  }
-  if (both_cols) {
-    TILE_LOAD(5, panel_g1 + s * AMX_TILE_BF16, 64);
-    TILE_DPBF16PS(2, 5, 6);
-    if (both_rows) TILE_DPBF16PS(3, 5, 7);
-  }
-}
-
-/* K-blocked calls: the C tiles 0-3 that exist, one block of 128 k, stored into `tiles`
- * (4 KiB, one 1 KiB tile each) and added with block kb's scales into their running sums
- * s00, s01 (weight-row group g; activation-row groups r, r + 1), s10, s11 (group g + 1);
- * scale_rows[0], [1]: scale_a of the two activation-row groups (fp8_block_scale_a16). */
-BF16_TARGET ALWAYS_INLINE void add_block_tiles(const fp8_scaled_mm_params* p, float* tiles, float* s00, float* s01,
-                                               float* s10, float* s11, int64_t n_first, const __m512* scale_rows,
-                                               int64_t kb, int first, const int both_cols, const int both_rows,
-                                               const int emulated, amx_model* model) {
-  const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
-  TILE_STORE(0, tiles, stride);
-  add_scaled_block(p, tiles, s00, n_first, scale_rows[0], kb, first);
-  if (both_rows) {
-    TILE_STORE(1, tiles + tile_floats, stride);
-    add_scaled_block(p, tiles + tile_floats, s01, n_first, scale_rows[1], kb, first);
-  }
-  if (both_cols) {
-    TILE_STORE(2, tiles + 2 * tile_floats, stride);
-    add_scaled_block(p, tiles + 2 * tile_floats, s10, n_first + AMX_ROWS, scale_rows[0], kb, first);
-  }
-  if (both_cols && both_rows) {
-    TILE_STORE(3, tiles + 3 * tile_floats, stride);
-    add_scaled_block(p, tiles + 3 * tile_floats, s11, n_first + AMX_ROWS, scale_rows[1], kb, first);
-  }
-}
+/* ---- the panel kernel (M > 64, K > FP8_AMX_FULL_K_MAX) ----------------------- */
 
 /* C tiles for weight-row groups g, g + 1 (if both) and activation-row groups r, r + 1
  * (if both) over one widened panel: their sums (one contiguous 1 KiB block per C tile,
@@ -240,16 +102,6 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   if (both_cols) TILE_STORE(2, s10, sums_stride);
   if (both_cols && both_rows) TILE_STORE(3, s11, sums_stride);
 }
-
-/* fn(args..., both_cols, both_rows, emulated, model) with both flags as constants, so
- * that each of the four shapes of a 2 x 2 block compiles without their branches. */
-#define TWO_BY_TWO_CASES(fn, ...)                                                               \
-  switch ((both_cols ? 2 : 0) + (both_rows ? 1 : 0)) {                                          \
-    case 3: fn(__VA_ARGS__, 1, 1, emulated, model); break;                                      \
-    case 2: fn(__VA_ARGS__, 1, 0, emulated, model); break;                                      \
-    case 1: fn(__VA_ARGS__, 0, 1, emulated, model); break;                                      \
-    default: fn(__VA_ARGS__, 0, 0, emulated, model); break;                                     \
-  }
 
 /* The order of the panels: weight rows in blocks of AMX_COL_BLOCK, and within a block
  * K block by K block over all of its panels, so that one K block of the chunk's packed
@@ -356,166 +208,6 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
 #undef K_BLOCK_AT
 }
 
-/* ---- the full-K kernel (M > 64, K <= AMX_FULL_K_MAX) ------------------------- */
-
-/* Moderate K (SmolLM2's 576 and 1536): the C tiles stay in registers for all of K, so
- * that no partial sums go to memory and back, and each 32 x 32 block of the output is
- * finished (scaled, rounded, stored) right after its tile products, from L1. Panels of
- * 32 weight rows x all of K (36 KiB at K = 576), widened while the previous one is used,
- * each used by a chunk of activation rows whose packed K (up to 1 MiB) stays in L2.
- * The panel kernel's 64 x 256 panels with sums in memory between K blocks ran the tile
- * products at ~1.5-1.7 TFLOP/s per core at K = 576 in a microbenchmark of both loop
- * orders on this Xeon, this order at ~2.0-2.2 (peak ~3.2 from L1). */
-
-/* Rows of a chunk: its packed activations (rows x K bf16) within AMX_FULL_K_CHUNK_BYTES,
- * a multiple of 32, at least 32 and at most AMX_ROW_CHUNK. */
-static int64_t full_k_chunk_rows(int64_t k_padded) {
-  int64_t rows = AMX_FULL_K_CHUNK_BYTES / (k_padded * (int64_t)sizeof(uint16_t)) / 32 * 32;
-  if (rows < 32) rows = 32;
-  return rows < AMX_ROW_CHUNK ? rows : AMX_ROW_CHUNK;
-}
-
-/* A finished 32 x 32 block whose epilogue (scale, bias, rounding, store) is spread among
- * the tile products of the next block, one 16 x 16 piece at a time, from a buffer of its
- * own. Leaving the epilogue out (wrong results) made this kernel 1.3x faster at K = 576
- * and 1.8x at K = 128 (M = 2048, Intel Xeon with AMX, 2 threads); spread like this it
- * overlaps the tile products only in part: 3-6% faster than between blocks at
- * M = 512, K = 576-1536, within +-3% at M = 2048. */
-typedef struct {
-  const float* sums;      /* its tiles (or K-blocked totals), [weight group][activation group][16][16] */
-  int64_t m_begin, m_end; /* its rows */
-  int64_t n0, cols;       /* its weight rows */
-  int col_groups, count, done; /* pieces: (row group, weight-row group) pairs, and how many are written */
-} pending_epilogue;
-
-static const fp8_sums_layout full_k_layout = {AMX_ROWS, 2 * AMX_ROWS * AMX_ROWS, AMX_ROWS * AMX_ROWS};
-
-BF16_TARGET ALWAYS_INLINE void pending_piece(const fp8_scaled_mm_params* p, pending_epilogue* e) {
-  const int64_t r0 = (e->done / e->col_groups) * AMX_ROWS, c0 = (e->done % e->col_groups) * AMX_ROWS;
-  fp8_bf16_tile_epilogue16(p, e->sums, full_k_layout, e->m_begin, e->m_end, e->n0, e->cols, r0, c0);
-  ++e->done;
-}
-
-BF16_TARGET ALWAYS_INLINE void pending_finish(const fp8_scaled_mm_params* p, pending_epilogue* e) {
-  while (e->done < e->count) pending_piece(p, e);
-}
-
-/* One 32 x 32 block over all of K: C tiles 0-3 (weight-row group g, g + 1 x activation-row
- * group r, r + 1), left in `tiles` ([weight group][activation group][16][16]); K-blocked
- * calls sum each block of 128 k in the tiles and add it, scaled, into `totals` (same
- * layout), whose final values are left there instead. */
-BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint16_t* panel_g1, const uint32_t* b0,
-                                            const uint32_t* b1, int64_t steps, float* tiles, float* totals,
-                                            panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
-                                            const fp8_scaled_mm_params* p, int64_t n_first, const __m512* scale_rows,
-                                            int64_t scale_rows_stride, pending_epilogue* pending,
-                                            const int both_cols, const int both_rows, const int emulated,
-                                            amx_model* model) {
-  const int64_t tile_floats = AMX_ROWS * AMX_ROWS, stride = AMX_ROWS * (int64_t)sizeof(float);
-  const int blocked = fp8_k_blocked(p);
-  const int64_t steps_per_block = (int64_t)FP8_SCALE_BLOCK / AMX_K;
-  TILE_ZERO(0);
-  if (both_rows) TILE_ZERO(1);
-  if (both_cols) TILE_ZERO(2);
-  if (both_cols && both_rows) TILE_ZERO(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    tile_step(panel_g, panel_g1, b0, b1, s, 1, both_cols, both_rows, emulated, model);
-    widen_units(next, t, widen_per_step);
-    /* the previous block's pieces, evenly over the steps (piece i at the first step s
-     * with i * steps < (s + 1) * count) */
-    if (pending->done < pending->count && pending->done * steps < (s + 1) * pending->count) pending_piece(p, pending);
-    if (blocked && ((s + 1) % steps_per_block == 0 || s + 1 == steps)) {
-      const int64_t kb = s / steps_per_block;
-      add_block_tiles(p, tiles, totals, totals + tile_floats, totals + 2 * tile_floats, totals + 3 * tile_floats,
-                      n_first, scale_rows + kb * scale_rows_stride, kb, kb == 0, both_cols, both_rows, emulated,
-                      model);
-      TILE_ZERO(0);
-      if (both_rows) TILE_ZERO(1);
-      if (both_cols) TILE_ZERO(2);
-      if (both_cols && both_rows) TILE_ZERO(3);
-    }
-  }
-  pending_finish(p, pending); /* (fewer steps than pieces) */
-  if (blocked) return;
-  TILE_STORE(0, tiles, stride);
-  if (both_rows) TILE_STORE(1, tiles + tile_floats, stride);
-  if (both_cols) TILE_STORE(2, tiles + 2 * tile_floats, stride);
-  if (both_cols && both_rows) TILE_STORE(3, tiles + 3 * tile_floats, stride);
-}
-
-/* Rows [m_begin, m_end) (m_begin a multiple of 16) x weight rows [n_begin, n_end), in row
- * chunks of full_k_chunk_rows; within a chunk panel by panel, each over all its rows.
- * `scratch`: two panels, then two buffers of 4 KiB of tiles and 4 KiB of totals (one
- * for the block being multiplied, one for the block whose epilogue is pending), then
- * (K-blocked) the chunk's scale_a table, one vector per (block of 128 k, row group). */
-BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                          const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
-                                          int64_t n_begin, int64_t n_end, const int emulated, amx_model* model) {
-  const widen_tables_t t = load_widen_tables(p->b_format);
-  const int64_t kp = plan->k_padded, steps = kp / AMX_K;
-  const int64_t group_stride = (kp / 2) * AMX_ROWS;
-  const int64_t panel_bf16 = AMX_FULL_K_COLS * kp;
-  uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)scratch + panel_bf16};
-  float* const buffers = (float*)(scratch + 2 * panel_bf16 * (int64_t)sizeof(uint16_t));
-  const int64_t buffer_floats = 8 * AMX_ROWS * AMX_ROWS; /* tiles, then totals */
-  __m512* scale_table = (__m512*)(buffers + 2 * buffer_floats);
-  const int blocked = fp8_k_blocked(p);
-  const int64_t k_blocks = (kp + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-  const int64_t chunk = full_k_chunk_rows(kp);
-  pending_epilogue pending = {buffers, 0, 0, 0, 0, 1, 0, 0};
-  int buffer = 0;
-#define FULL_K_COLS_AT(n0) (n_end - (n0) < AMX_FULL_K_COLS ? n_end - (n0) : AMX_FULL_K_COLS)
-  /* panels in order: chunk by chunk, within a chunk n_begin to n_end */
-  panel_widener next = panel_widener_of(p, n_begin, FULL_K_COLS_AT(n_begin), 0, kp, panels[0], AMX_FULL_K_COLS);
-  widen_units(&next, &t, next.left);
-  int current = 0;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += chunk) {
-    const int64_t m1 = m_end - m0 < chunk ? m_end : m0 + chunk;
-    const int64_t rows = (m1 - m0 + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, row_groups = rows / AMX_ROWS;
-    const uint32_t* chunk_packed = packed + (m0 / AMX_ROWS) * group_stride;
-    /* K-blocked scales: scale_a of every (block of 128 k, row group) of the chunk, built
-     * once for all of its panels; table[kb * row_groups + group] */
-    if (blocked)
-      for (int64_t kb = 0; kb < k_blocks; ++kb)
-        for (int64_t g = 0; g < row_groups; ++g) scale_table[kb * row_groups + g] = fp8_block_scale_a16(p, m0 + g * AMX_ROWS, kb);
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += AMX_FULL_K_COLS, current ^= 1) {
-      const int64_t cols = FULL_K_COLS_AT(n0);
-      const int both_cols = cols > AMX_ROWS;
-      const uint16_t* panel = panels[current];
-      /* the next panel: this chunk's next one, or the next chunk's first */
-      const int64_t next_n0 = n0 + AMX_FULL_K_COLS < n_end ? n0 + AMX_FULL_K_COLS : n_begin;
-      if (n0 + AMX_FULL_K_COLS < n_end || m1 < m_end) {
-        next = panel_widener_of(p, next_n0, FULL_K_COLS_AT(next_n0), 0, kp, panels[current ^ 1], AMX_FULL_K_COLS);
-      } else {
-        next.left = 0;
-      }
-      const int64_t total_steps = (row_groups + 1) / 2 * steps;
-      const int64_t widen_per_step = (next.left + total_steps - 1) / total_steps;
-      for (int64_t r0 = 0; r0 < rows; r0 += 2 * AMX_ROWS) {
-        const int both_rows = rows - r0 > AMX_ROWS;
-        const uint32_t* b0 = chunk_packed + (r0 / AMX_ROWS) * group_stride;
-        float* tiles = buffers + buffer * buffer_floats;
-        float* totals = tiles + 4 * AMX_ROWS * AMX_ROWS;
-        TWO_BY_TWO_CASES(full_k_block, panel, panel + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps, tiles, totals, &next,
-                           &t, widen_per_step, p, n0, scale_table + r0 / AMX_ROWS, row_groups, &pending)
-        /* this block's epilogue: during the next block's products */
-        pending.sums = blocked ? totals : tiles;
-        pending.m_begin = m0 + r0;
-        pending.m_end = m0 + r0 + 2 * AMX_ROWS < m1 ? m0 + r0 + 2 * AMX_ROWS : m1;
-        pending.n0 = n0;
-        pending.cols = cols;
-        pending.col_groups = both_cols ? 2 : 1;
-        pending.count = pending.col_groups * (both_rows ? 2 : 1);
-        pending.done = 0;
-        buffer ^= 1;
-      }
-      widen_units(&next, &t, next.left); /* whatever the steps left */
-    }
-  }
-  pending_finish(p, &pending);
-#undef FULL_K_COLS_AT
-}
-
 /* Scratch per thread: two panels, the sums of a column block of one row chunk, and
  * (emulated only) the model's tile registers. */
 enum { AMX_PANEL_BYTES = AMX_PANEL_COLS * AMX_K_BLOCK * (int)sizeof(uint16_t) };
@@ -529,22 +221,13 @@ static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
  * up to 4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums and 4 KiB of
  * block-wise totals; the panel kernel: two panels, the sums, and 4 KiB of block tiles).
  * 64-byte aligned. */
-enum { AMX_BLOCK_TILES_BYTES = 4 * AMX_ROWS * AMX_ROWS * (int)sizeof(float) };
-
 static int full_k(const fp8_cpu_mm_plan* plan) {
-  return plan->m_padded > FP8_AMX_STREAM_MAX_ROWS && plan->k_padded <= AMX_FULL_K_MAX;
-}
-
-/* The full-K kernel's scratch: two panels, twice 4 KiB of tiles and 4 of totals, the scale_a table. */
-static int64_t full_k_scratch_bytes(const fp8_cpu_mm_plan* plan) {
-  const int64_t k_blocks = (plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-  return 2 * AMX_FULL_K_COLS * plan->k_padded * (int64_t)sizeof(uint16_t) + 4 * AMX_BLOCK_TILES_BYTES +
-         full_k_chunk_rows(plan->k_padded) / AMX_ROWS * k_blocks * 64;
+  return plan->m_padded > FP8_AMX_STREAM_MAX_ROWS && plan->k_padded <= FP8_AMX_FULL_K_MAX;
 }
 
 static int64_t model_offset(const fp8_cpu_mm_plan* plan) {
   if (plan->m_padded <= FP8_AMX_STREAM_MAX_ROWS) return fp8_amx_stream_scratch_bytes(plan);
-  if (full_k(plan)) return full_k_scratch_bytes(plan);
+  if (full_k(plan)) return fp8_amx_full_k_scratch_bytes(plan);
   return 2 * AMX_PANEL_BYTES + sums_bytes(plan) + AMX_BLOCK_TILES_BYTES;
 }
 
@@ -567,7 +250,11 @@ BF16_TARGET ALWAYS_INLINE void amx_compute(const fp8_scaled_mm_params* p, const 
     return;
   }
   if (full_k(plan)) {
-    amx_full_k(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, emulated, model);
+    if (emulated) {
+      fp8_amx_full_k_emulated(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, model);
+    } else {
+      fp8_amx_full_k_hardware(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end);
+    }
     return;
   }
   uint16_t* panels[2] = {(uint16_t*)scratch, (uint16_t*)(scratch + AMX_PANEL_BYTES)};
