@@ -51,26 +51,30 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     if path in ("auto", "generic") or k == 0 or m == 0 or n == 0:
         return True
     k_blocks = -(-k // 128)
-    blocked = (scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1) or \
-        (scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n))
+    a_blocked = scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1
+    b_blocked = scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n)
+    blocked = a_blocked or b_blocked
     k_contiguous = k <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
     a_fp8 = a.dtype in FP8_DTYPES
     if path in ("gemm", "gemv"):
         return a_fp8 and k_contiguous
     if path == "upconvert":
         return a.dtype != torch.float32 and k_contiguous
-    if blocked:
-        return False  # cuBLASLt is not asked for its block scaling
     lda = k if m == 1 else a.stride(0)
     ldb = k if n == 1 else b.stride(1)
     aligned = all(t.data_ptr() % 16 == 0 for t in (a, b)) and (bias is None or bias.data_ptr() % 16 == 0)
     vectors = scale_a.numel() != 1 or scale_b.numel() != 1
     # float32 output is refused: the fp8 tensor cores' 13-bit partial sums inside
     # cuBLASLt miss float32 accuracy (see csrc/cuda/cublaslt.cu)
-    return (a_fp8 and not (a.dtype == b.dtype == E5M2) and out_dtype != torch.float32
-            and a.stride(1) == 1 and b.stride(0) == 1 and k % 16 == 0 and n % 16 == 0
-            and lda % 16 == 0 and ldb % 16 == 0 and lda >= k and ldb >= k
-            and aligned and (not vectors or _capability()[0] == 9)
+    layout_ok = (a_fp8 and not (a.dtype == b.dtype == E5M2) and out_dtype != torch.float32
+                 and a.stride(1) == 1 and b.stride(0) == 1 and k % 16 == 0 and n % 16 == 0
+                 and lda % 16 == 0 and ldb % 16 == 0 and lda >= k and ldb >= k and aligned)
+    if blocked:
+        # cuBLASLt's block scaling (sm_90): per-token groups with 128 x 128 weight blocks,
+        # whole blocks, e4m3, M a multiple of 4, no bias
+        return (layout_ok and a_blocked and b_blocked and _capability()[0] == 9 and a.dtype == b.dtype == E4M3
+                and k % 128 == 0 and n % 128 == 0 and m % 4 == 0 and bias is None)
+    return (layout_ok and (not vectors or _capability()[0] == 9)
             and (bias is None or bias.dtype == out_dtype))
 
 
@@ -392,6 +396,12 @@ def test_auto_picks_the_documented_path():
     assert used(x.bfloat16(), b, torch.ones((), device="cuda"), scale_b) == "upconvert"
     assert used(x, b, torch.ones((), device="cuda"), scale_b) == "generic"
     assert used(*_operands(0, 64, 32)) == "none"
+    # block-wise: cuBLASLt's block scaling on sm_90 where it applies, our GEMM otherwise
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(256, 4096, device="cuda"), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(4096, 4096, device="cuda"), granularity="block")
+    assert used(a, w.t(), scale_a, scale_w.t()) == ("cublaslt" if _capability()[0] == 9 else "gemm")
+    assert used(a, w.t(), scale_a, scale_w.t(), bias=torch.randn(4096, device="cuda")) == "gemm"
+    assert used(a[:18], w.t(), scale_a[:18], scale_w.t()) == "gemv"
 
 
 def test_device_path_and_path_names():
@@ -536,6 +546,26 @@ def test_paths_blockwise(path, m, k, n, out_dtype):
     _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda"), out_dtype=out_dtype)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # weight-only
     _check(path, x, w.t(), torch.ones((), device="cuda"), scale_w.t(), out_dtype=out_dtype)
+
+
+# shapes cuBLASLt's block scaling takes on sm_90 (whole blocks, M a multiple of 4; K / 128
+# = 5 and 3 pad the weight scales' K blocks to 8 and 4), and ones it refuses (M = 18, N =
+# 576, e5m2 activations, a bias); every path against the reference
+@pytest.mark.parametrize("m, k, n", [(20, 640, 256), (64, 384, 128), (256, 4096, 4096), (132, 7168, 1536),
+                                     (18, 512, 256), (68, 1024, 576)])
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_paths_blockwise_whole_blocks(path, m, k, n, out_dtype):
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
+    _check(path, a, w.t(), scale_a, scale_w.t(), out_dtype=out_dtype)
+    # row-sliced activations (row stride above K): their scales keep their own row stride
+    wide, wide_scale = fp8linear.quantize_fp8(torch.randn(m, k + 256, device="cuda"), granularity="group")
+    _check(path, wide[:, :k], w.t(), wide_scale[:, :k // 128], scale_w.t(), out_dtype=out_dtype)
+    if m == 20:
+        _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda", dtype=out_dtype),
+               out_dtype=out_dtype)
+        a5, scale_a5 = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), dtype=E5M2, granularity="group")
+        _check(path, a5, w.t(), scale_a5, scale_w.t(), out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("m", [17, 64])

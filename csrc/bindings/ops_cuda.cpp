@@ -147,7 +147,7 @@ at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   at::Tensor workspace;
   fp8_cuda_workspace memory = {nullptr, 0};
   if (fp8_cuda_may_use_cublaslt(&p, path)) {
-    const int64_t bytes = FP8_CUDA_CUBLASLT_WORKSPACE_BYTES + FP8_CUDA_BROADCAST_FLOATS * sizeof(float);
+    const int64_t bytes = static_cast<int64_t>(fp8_cuda_workspace_bytes(&p));
     workspace = at::empty({bytes}, a.options().dtype(at::kByte));
     memory = {workspace.data_ptr(), static_cast<size_t>(bytes)};
   }

@@ -6,8 +6,17 @@
 // Scales: per-tensor ones go in as the A/B scale pointers (device memory, no sync).
 // Per-row / per-column scales use the outer-vector scale mode (cuBLAS >= 12.9, sm_90
 // only, both operands in that mode: a per-tensor side is broadcast to a vector in the
-// workspace). A bias rides in the epilogue when it has the output's 16-bit dtype.
-// Anything else is left to our GEMM (scaled_mm.cu decides).
+// workspace). Block-wise scales (activations per token and group of 128, the weight per
+// 128 x 128 block) use the block scale modes (cuBLAS >= 12.9, sm_90 only): BLK128x128
+// for cuBLASLt's A (our weight), VEC128 for its B (our activations), each in the layout
+// cuBLASLt reads, which one small kernel writes into the workspace per call (scales
+// only: M x K/128 + N/128 x K/128 floats): the activations' [M, K/128] transposed to
+// M-major ([K/128][M]), the weight's [N/128, K/128] with the K-block count padded to a
+// multiple of 4 ([N/128][round_up(K/128, 4)]; the layouts torch._scaled_mm checks for
+// the same modes, and pytorch issue 166752 for the padding, without which cuBLASLt's
+// results are silently wrong). A bias rides in the epilogue when it has the output's
+// 16-bit dtype (not with block scales). Anything else is left to our GEMM (scaled_mm.cu
+// decides).
 //
 // Cached per device: the handle; per problem: the heuristic's algorithm. The workspace
 // comes with each call (the bindings allocate it from torch's caching allocator on the
@@ -23,10 +32,11 @@
 #include "cuda_kernels.h"
 #include "launch.cuh"
 
+// cuBLAS 12.9 added both the outer-vector and the block scale modes.
 #if CUBLAS_VER_MAJOR > 12 || (CUBLAS_VER_MAJOR == 12 && CUBLAS_VER_MINOR >= 9)
-#define FP8LINEAR_HAS_OUTER_VECTOR_SCALES 1
+#define FP8LINEAR_HAS_SCALE_MODES 1
 #else
-#define FP8LINEAR_HAS_OUTER_VECTOR_SCALES 0
+#define FP8LINEAR_HAS_SCALE_MODES 0
 #endif
 
 namespace fp8cuda {
@@ -44,11 +54,11 @@ const char* status_message(const char* what, cublasStatus_t status) {
 struct ProblemKey {
   int device;
   int64_t m, n, k, lda, ldb, ldd;
-  int a_format, b_format, out_dtype, bias_dtype, outer_vector;
+  int a_format, b_format, out_dtype, bias_dtype, scale_mode;
   int alignment_a, alignment_b, alignment_d, alignment_bias;
   size_t workspace_bytes;
   auto tie() const {
-    return std::tie(device, m, n, k, lda, ldb, ldd, a_format, b_format, out_dtype, bias_dtype, outer_vector,
+    return std::tie(device, m, n, k, lda, ldb, ldd, a_format, b_format, out_dtype, bias_dtype, scale_mode,
                     alignment_a, alignment_b, alignment_d, alignment_bias, workspace_bytes);
   }
   bool operator<(const ProblemKey& other) const { return tie() < other.tie(); }
@@ -62,10 +72,11 @@ struct CachedAlgorithm {
 std::mutex cache_mutex;
 cublasLtHandle_t handles[kMaxDevices];
 std::map<ProblemKey, CachedAlgorithm> algorithms;
-// Set once cuBLASLt says outer-vector scales are not supported on a device (NOT_SUPPORTED),
-// so later calls skip the try. An INVALID_VALUE is taken as this problem's alone: its
-// cached algorithm is dropped and other shapes keep trying.
+// Set once cuBLASLt says outer-vector (block) scales are not supported on a device
+// (NOT_SUPPORTED), so later calls skip the try. An INVALID_VALUE is taken as this
+// problem's alone: its cached algorithm is dropped and other shapes keep trying.
 bool outer_vector_refused[kMaxDevices];
+bool block_scales_refused[kMaxDevices];
 
 // The largest power of two (up to 256) that divides the address: cuBLASLt assumes
 // 256-byte alignment unless told, and a sliced tensor may have less.
@@ -86,6 +97,65 @@ int64_t activation_ld(const fp8_scaled_mm_params* p) { return p->m == 1 ? p->k :
 int64_t weight_ld(const fp8_scaled_mm_params* p) { return p->n == 1 ? p->k : p->b_col_stride; }
 
 bool wants_outer_vector(const fp8_scaled_mm_params* p) { return p->scale_a_per_row || p->scale_b_per_col; }
+
+// How cuBLASLt is asked to scale: one number per operand, outer vectors, or blocks.
+enum ScaleMode { kScalar = 0, kOuterVector = 1, kBlocks = 2 };
+ScaleMode scale_mode_of(const fp8_scaled_mm_params* p) {
+  return fp8_k_blocked(p) ? kBlocks : wants_outer_vector(p) ? kOuterVector : kScalar;
+}
+
+// Block scales in cuBLASLt's layouts, after its workspace: the activations' transposed
+// ([K/128][M]), then (from a 256-byte boundary) the weight's padded ([N/128][L4]).
+struct BlockScaleLayout {
+  int64_t k_blocks, k_blocks4, n_blocks;
+  int64_t a_floats, b_offset, total_floats;
+};
+BlockScaleLayout block_scale_layout(const fp8_scaled_mm_params* p) {
+  BlockScaleLayout l;
+  l.k_blocks = ceil_div(p->k, static_cast<int64_t>(FP8_SCALE_BLOCK));
+  l.k_blocks4 = ceil_div(l.k_blocks, static_cast<int64_t>(4)) * 4;
+  l.n_blocks = ceil_div(p->n, static_cast<int64_t>(FP8_SCALE_BLOCK));
+  l.a_floats = l.k_blocks * p->m;
+  l.b_offset = ceil_div(l.a_floats, static_cast<int64_t>(64)) * 64;
+  l.total_floats = l.b_offset + l.n_blocks * l.k_blocks4;
+  return l;
+}
+
+// a_t[kb * M + m] = scale_a(m, kb); b_padded[nb * L4 + kb] = scale_b(kb, nb) (0 past K/128).
+__global__ void block_scales_kernel(float* a_t, float* b_padded, const float* scale_a, int64_t scale_a_row_stride,
+                                    const float* scale_b, int64_t scale_b_k_stride, int64_t scale_b_n_stride, int64_t m,
+                                    int64_t k_blocks, int64_t k_blocks4, int64_t n_blocks) {
+  const int64_t a_count = k_blocks * m, total = a_count + n_blocks * k_blocks4;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < a_count) {
+      const int64_t kb = i / m, row = i % m;
+      a_t[i] = scale_a[row * scale_a_row_stride + kb];
+    } else {
+      const int64_t j = i - a_count, nb = j / k_blocks4, kb = j % k_blocks4;
+      b_padded[j] = kb < k_blocks ? scale_b[kb * scale_b_k_stride + nb * scale_b_n_stride] : 0.0f;
+    }
+  }
+}
+
+// Why cuBLASLt's block scaling does not take this K-blocked call, or NULL. Some rules
+// are stricter than cuBLASLt's documentation requires, where it leaves the layout
+// unclear and a wrong guess would be silently wrong (not yet run on a GPU).
+const char* block_scale_refusal(const fp8_scaled_mm_params* p, int major) {
+  if (!FP8LINEAR_HAS_SCALE_MODES) return "block-wise scales in cuBLASLt need cuBLAS 12.9 or newer";
+  if (major != 9) return "block-wise scales in cuBLASLt exist only on sm_90";
+  if (!p->scale_a_blocked || !p->scale_b_blocked) {
+    return "cuBLASLt's block scaling takes activations scaled per token and group of 128 with a weight scaled per "
+           "128 x 128 block, not mixed with per-tensor or per-row/column scales";
+  }
+  if (p->a_format != FP8_E4M3FN || p->b_format != FP8_E4M3FN) return "cuBLASLt's block scaling is used for e4m3 operands only";
+  if (p->k % FP8_SCALE_BLOCK != 0 || p->n % FP8_SCALE_BLOCK != 0) {
+    return "cuBLASLt's block scaling needs whole blocks: K and N multiples of 128";
+  }
+  if (p->m % 4 != 0) return "cuBLASLt's block scaling is used with M a multiple of 4 (M-long, 16-byte aligned scale columns)";
+  if (p->bias != nullptr) return "cuBLASLt's block scaling is used without a bias epilogue";
+  return nullptr;
+}
 
 __global__ void broadcast_kernel(float* out, const float* value, int64_t count) {
   const float v = *value;
@@ -116,7 +186,6 @@ using namespace fp8cuda;
 
 const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
   if (major * 10 + minor < 89) return "cuBLASLt FP8 needs compute capability 8.9 or newer";
-  if (fp8_k_blocked(p)) return "block-wise scales: cuBLASLt's block scaling is not used yet";
   if (p->a_is_float) return "cuBLASLt FP8 needs fp8 activations (a is a float dtype: weight-only)";
   if (p->a_format == FP8_E5M2 && p->b_format == FP8_E5M2) return "cuBLASLt has no e5m2 x e5m2 GEMM";
   if (p->k == 0) return "K = 0 has no products";
@@ -144,8 +213,9 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
   if (!is_aligned(p->a, 16) || !is_aligned(p->b, 16) || !is_aligned(p->out, 16)) {
     return "cuBLASLt FP8 needs 16-byte aligned operands";
   }
+  if (fp8_k_blocked(p)) return block_scale_refusal(p, major);
   if (wants_outer_vector(p)) {
-    if (!FP8LINEAR_HAS_OUTER_VECTOR_SCALES) return "per-row/column scales in cuBLASLt need cuBLAS 12.9 or newer";
+    if (!FP8LINEAR_HAS_SCALE_MODES) return "per-row/column scales in cuBLASLt need cuBLAS 12.9 or newer";
     if (major != 9) return "per-row/column scales in cuBLASLt (outer-vector mode) exist only on sm_90";
     if ((!p->scale_a_per_row && p->m > kBroadcastFloats) || (!p->scale_b_per_col && p->n > kBroadcastFloats)) {
       return "too many rows to broadcast a per-tensor scale for cuBLASLt's outer-vector mode";
@@ -158,6 +228,12 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
   return nullptr;
 }
 
+size_t fp8_cuda_workspace_bytes(const fp8_scaled_mm_params* p) {
+  const int64_t scale_floats = fp8_k_blocked(p) ? std::max(block_scale_layout(p).total_floats, kBroadcastFloats)
+                                                : kBroadcastFloats;
+  return kWorkspaceBytes + static_cast<size_t>(scale_floats) * sizeof(float);
+}
+
 const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, int major, int minor,
                                      cudaStream_t stream, fp8_cuda_workspace given, int* unsupported) {
   *unsupported = 0;
@@ -166,7 +242,8 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     return refusal;
   }
   if (device < 0 || device >= kMaxDevices) return error_text("fp8linear CUDA: device index %d is out of range", device);
-  const bool outer_vector = wants_outer_vector(p);
+  const ScaleMode mode = scale_mode_of(p);
+  const bool outer_vector = mode == kOuterVector, blocks = mode == kBlocks;
 
   cublasLtHandle_t handle;
   {
@@ -174,6 +251,10 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     if (outer_vector && outer_vector_refused[device]) {
       *unsupported = 1;
       return "cuBLASLt refused outer-vector (per-row/column) scales on this device";
+    }
+    if (blocks && block_scales_refused[device]) {
+      *unsupported = 1;
+      return "cuBLASLt refused block scales on this device";
     }
     if (handles[device] == nullptr) {
       const cublasStatus_t status = cublasLtCreate(&handles[device]);
@@ -184,21 +265,31 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     }
     handle = handles[device];
   }
-  // The caller's memory: cuBLASLt's workspace, then the broadcast scales.
+  // The caller's memory: cuBLASLt's workspace, then the broadcast or block scales.
   struct {
     void* memory;
     size_t bytes;
   } workspace = {nullptr, 0};
-  const size_t needed = kWorkspaceBytes + kBroadcastFloats * sizeof(float);
-  if (given.memory != nullptr && given.bytes >= needed) workspace = {given.memory, kWorkspaceBytes};
-  if (outer_vector && workspace.memory == nullptr) {
+  if (given.memory != nullptr && given.bytes >= fp8_cuda_workspace_bytes(p)) workspace = {given.memory, kWorkspaceBytes};
+  if (mode != kScalar && workspace.memory == nullptr) {
     *unsupported = 1;
-    return "no workspace for broadcasting a per-tensor scale";
+    return outer_vector ? "no workspace for broadcasting a per-tensor scale" : "no workspace for the block scales' layouts";
   }
 
   // Scales: cuBLASLt's A is our weight (scale_b), its B our activations (scale_a).
   const float* weight_scale = p->scale_b;
   const float* activation_scale = p->scale_a;
+  if (blocks) {
+    float* scales = reinterpret_cast<float*>(static_cast<char*>(workspace.memory) + kWorkspaceBytes);
+    const BlockScaleLayout layout = block_scale_layout(p);
+    const int grid = static_cast<int>(std::min<int64_t>(ceil_div(layout.total_floats, 256), 1024));
+    block_scales_kernel<<<grid, 256, 0, stream>>>(scales, scales + layout.b_offset, p->scale_a, p->scale_a_row_stride,
+                                                     p->scale_b, p->scale_b_k_stride, p->scale_b_n_stride, p->m,
+                                                     layout.k_blocks, layout.k_blocks4, layout.n_blocks);
+    if (const char* error = check_launch("block_scales_kernel")) return error;
+    activation_scale = scales;
+    weight_scale = scales + layout.b_offset;
+  }
   if (outer_vector) {
     float* broadcast = reinterpret_cast<float*>(static_cast<char*>(workspace.memory) + kWorkspaceBytes);
     const bool broadcast_weight = !p->scale_b_per_col;
@@ -222,11 +313,17 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
   set(CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof no_transpose);
   set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &weight_scale, sizeof weight_scale);
   set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &activation_scale, sizeof activation_scale);
-#if FP8LINEAR_HAS_OUTER_VECTOR_SCALES
+#if FP8LINEAR_HAS_SCALE_MODES
   if (outer_vector) {
-    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode);
-    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode);
+    const int32_t vector_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vector_mode, sizeof vector_mode);
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector_mode, sizeof vector_mode);
+  }
+  if (blocks) {
+    const int32_t weight_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t activation_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &weight_mode, sizeof weight_mode);
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &activation_mode, sizeof activation_mode);
   }
 #endif
   // Fast accumulation stays off: Hopper then promotes the fp8 partial sums to full
@@ -253,7 +350,7 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
 
   const ProblemKey key{device, p->m, p->n, p->k, activation_ld(p), weight_ld(p), p->out_row_stride,
                        p->a_format, p->b_format, p->out_dtype, p->bias ? static_cast<int>(p->bias_dtype) : -1,
-                       outer_vector, alignment_of(p->b), alignment_of(p->a), alignment_of(p->out),
+                       static_cast<int>(mode), alignment_of(p->b), alignment_of(p->a), alignment_of(p->out),
                        p->bias ? alignment_of(p->bias) : 256, workspace.bytes};
   CachedAlgorithm cached{};
   bool have_cached = false;
@@ -301,15 +398,16 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
                           descriptors.d, p->out, descriptors.d, &cached.algorithm, workspace.memory, workspace.bytes,
                           stream);
   if (status == CUBLAS_STATUS_SUCCESS) return nullptr;
-  if (outer_vector && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
-    // NOT_SUPPORTED: the documented way a device without outer-vector scales says so,
-    // remembered for the device. INVALID_VALUE may concern this problem only: only its
-    // algorithm is forgotten (this shape falls back from now on; others still try).
+  if (mode != kScalar && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    // NOT_SUPPORTED: the documented way a device without outer-vector (block) scales
+    // says so, remembered for the device. INVALID_VALUE may concern this problem only:
+    // only its algorithm is forgotten (this shape falls back from now on; others still try).
     std::lock_guard<std::mutex> lock(cache_mutex);
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED) outer_vector_refused[device] = true;
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) (outer_vector ? outer_vector_refused : block_scales_refused)[device] = true;
     algorithms[key] = CachedAlgorithm{false, cached.algorithm};
     *unsupported = 1;
-    return status_message("cublasLtMatmul refused outer-vector scales", status);
+    return status_message(outer_vector ? "cublasLtMatmul refused outer-vector scales" : "cublasLtMatmul refused block scales",
+                          status);
   }
   return status_message("cublasLtMatmul", status);
 }

@@ -60,17 +60,20 @@ const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params
 
 // Device memory the caller provides for one call (the bindings take it from torch's
 // caching allocator on the call's stream, which is also what CUDA-graph capture needs):
-// cuBLASLt's workspace followed by room to broadcast a per-tensor scale to a vector.
+// cuBLASLt's workspace followed by room for its scales: a per-tensor scale broadcast to
+// a vector, or the block-wise scales in cuBLASLt's layouts.
 typedef struct {
-  void* memory;  // NULL: cuBLASLt runs without a workspace, and without outer-vector scales
+  void* memory;  // NULL: cuBLASLt runs without a workspace, and without vector or block scales
   size_t bytes;
 } fp8_cuda_workspace;
 
 // The workspace a call may use (cuBLASLt's recommended 32 MiB on Hopper + 1 MiB of
-// broadcast scales), and whether this call could reach cuBLASLt at all on `path`
-// (otherwise the caller need not allocate it).
+// broadcast scales, or more for the block scales of a large M: fp8_cuda_workspace_bytes),
+// and whether this call could reach cuBLASLt at all on `path` (otherwise the caller need
+// not allocate it).
 enum { FP8_CUDA_CUBLASLT_WORKSPACE_BYTES = (32 << 20), FP8_CUDA_BROADCAST_FLOATS = (1 << 18) };
 int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path);
+size_t fp8_cuda_workspace_bytes(const fp8_scaled_mm_params* p);
 
 // out = (a * scale_a) @ (b * scale_b) + bias on `path` (AUTO: the best one that can
 // run it). *used receives the path that ran. A forced path that cannot run the call

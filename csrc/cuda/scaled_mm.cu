@@ -7,8 +7,8 @@
 //   otherwise                    -> gemm
 // below cc 8.9, or 16-bit activations (weight-only) -> upconvert (widening gemv/gemm);
 // float32 activations, other strides, K = 0, GPUs below sm_80 -> generic.
-// K-blocked (block-wise 128 x 128) scales take the same rules, except cuBLASLt (not
-// asked for its block scaling): gemv up to M = 64, gemm above.
+// K-blocked (block-wise 128 x 128) scales take the same rules: cuBLASLt's block scaling
+// (sm_90) for the calls cublaslt.cu accepts, else gemv up to M = 64, gemm above.
 //
 // float32 outputs: our gemm/gemv widen fp8 to float16 for the tensor cores (exact
 // products, float32 sums) instead of using the fp8 mma, and cuBLASLt is not used. The
