@@ -397,11 +397,10 @@ def test_auto_picks_the_documented_path():
     assert used(x, b, torch.ones((), device="cuda"), scale_b) == "generic"
     assert used(*_operands(0, 64, 32)) == "none"
     # block-wise: cuBLASLt's block scaling on sm_90 where it applies, our GEMM otherwise
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(256, 4096, device="cuda"), granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(4096, 4096, device="cuda"), granularity="block")
-    assert used(a, w.t(), scale_a, scale_w.t()) == ("cublaslt" if _capability()[0] == 9 else "gemm")
-    assert used(a, w.t(), scale_a, scale_w.t(), bias=torch.randn(4096, device="cuda")) == "gemm"
-    assert used(a[:18], w.t(), scale_a[:18], scale_w.t()) == "gemv"
+    a, b, scale_a, scale_b = _blockwise_operands(256, 4096, 4096)
+    assert used(a, b, scale_a, scale_b) == ("cublaslt" if _capability()[0] == 9 else "gemm")
+    assert used(a, b, scale_a, scale_b, bias=torch.randn(4096, device="cuda")) == "gemm"
+    assert used(a[:18], b, scale_a[:18], scale_b) == "gemv"
 
 
 def test_device_path_and_path_names():
@@ -536,16 +535,22 @@ def test_quantize_blocks(shape):
     assert_same_fp8(q.cpu(), q_ref)
 
 
+def _blockwise_operands(m, k, n, a_dtype=E4M3):
+    """a [M, K] per token and group of 128, b = w.t() for a weight w [N, K] per 128 x 128 block."""
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), dtype=a_dtype, granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
+    return a, w.t(), scale_a, scale_w.t()
+
+
 # every gemv token tiling (M 1-8, 9-16, 17-64), gemm above; K and N with partial blocks
 @pytest.mark.parametrize("m, k, n", [(1, 300, 260), (9, 256, 130), (16, 4096, 4096), (40, 1000, 200),
                                      (70, 576, 1536), (300, 7168, 576)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_paths_blockwise(path, m, k, n, out_dtype):
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
-    _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda"), out_dtype=out_dtype)
+    a, b, scale_a, scale_b = _blockwise_operands(m, k, n)
+    _check(path, a, b, scale_a, scale_b, bias=torch.randn(n, device="cuda"), out_dtype=out_dtype)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # weight-only
-    _check(path, x, w.t(), torch.ones((), device="cuda"), scale_w.t(), out_dtype=out_dtype)
+    _check(path, x, b, torch.ones((), device="cuda"), scale_b, out_dtype=out_dtype)
 
 
 # shapes cuBLASLt's block scaling takes on sm_90 (whole blocks, M a multiple of 4; K / 128
@@ -555,17 +560,15 @@ def test_paths_blockwise(path, m, k, n, out_dtype):
                                      (18, 512, 256), (68, 1024, 576)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_paths_blockwise_whole_blocks(path, m, k, n, out_dtype):
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
-    _check(path, a, w.t(), scale_a, scale_w.t(), out_dtype=out_dtype)
+    a, b, scale_a, scale_b = _blockwise_operands(m, k, n)
+    _check(path, a, b, scale_a, scale_b, out_dtype=out_dtype)
     # row-sliced activations (row stride above K): their scales keep their own row stride
     wide, wide_scale = fp8linear.quantize_fp8(torch.randn(m, k + 256, device="cuda"), granularity="group")
-    _check(path, wide[:, :k], w.t(), wide_scale[:, :k // 128], scale_w.t(), out_dtype=out_dtype)
+    _check(path, wide[:, :k], b, wide_scale[:, :k // 128], scale_b, out_dtype=out_dtype)
     if m == 20:
-        _check(path, a, w.t(), scale_a, scale_w.t(), bias=torch.randn(n, device="cuda", dtype=out_dtype),
-               out_dtype=out_dtype)
-        a5, scale_a5 = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), dtype=E5M2, granularity="group")
-        _check(path, a5, w.t(), scale_a5, scale_w.t(), out_dtype=out_dtype)
+        _check(path, a, b, scale_a, scale_b, bias=torch.randn(n, device="cuda", dtype=out_dtype), out_dtype=out_dtype)
+        a5, _, scale_a5, _ = _blockwise_operands(m, k, n, a_dtype=E5M2)
+        _check(path, a5, b, scale_a5, scale_b, out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("m", [17, 64])
