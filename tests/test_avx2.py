@@ -1,8 +1,10 @@
 """The avx2 variant's kernels (csrc/cpu/gemm_avx2.c) at their boundaries, on any CPU with
-AVX2: the dot kernel (M <= 16; rows in blocks of 4, K in steps of 32) and the panel
-kernel (M > 16; panels of 256 k x 16 weight rows, blocks of 6 rows, tiles of 256 rows),
-the float16 route of the widening (every code, NaN, subnormals with denormals flushed),
-the factor 256 carried by fp8 activations or multiplied back for float ones."""
+AVX2: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; every M for
+e4m3fn weights against fp8 activations, M <= 16 otherwise) and the panel kernel (M > 16 for
+e5m2 weights or float activations; panels of 256 k x 16 weight rows, blocks of 6 rows,
+tiles of 256 rows); both routes of the widening (every code, NaN, subnormals with
+denormals flushed): the float32 route with its factors 2^100 and 2^20 and its NaN rows,
+the float16 route with its factor 256 multiplied back."""
 import itertools
 
 import pytest
@@ -84,31 +86,82 @@ def test_every_weight_code_and_nan(m, kind, fmt):
     assert relative_error(out, reference.scaled_mm_float64(a, w_finite.t(), scale_a, torch.ones(()))) <= 1e-6
 
 
-@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("kind", ["fp8", torch.bfloat16])
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
 @pytest.mark.parametrize("flush", [False, True])
-def test_subnormal_weights_with_denormals_flushed(m, fmt, flush):
-    # weights of subnormal codes only: a widening that formed float32 subnormals would
-    # lose them all when the FPU flushes denormals
+def test_subnormal_weights_with_denormals_flushed(m, kind, fmt, flush):
+    # weights of subnormal codes only: the dot kernel's float32 route (e4m3fn weights, fp8
+    # activations) widens them to float32 denormals, which it must keep when torch flushes
+    # denormals (it clears DAZ while it runs); the float16 route never forms one
     mantissa_bits = 3 if fmt == torch.float8_e4m3fn else 2
     subnormal = [code | sign for code in range(1, 1 << mantissa_bits) for sign in (0, 0x80)]
     codes = torch.tensor(subnormal * 50, dtype=torch.uint8)
     w = torch.stack([codes[torch.randperm(codes.numel())] for _ in range(19)]).view(fmt)
-    a = torch.randn(m, codes.numel()).bfloat16()
+    a, scale_a = _activations(m, codes.numel(), kind, fmt)
     one = torch.ones(())
     assert torch.set_flush_denormal(flush) or not flush  # True: the CPU flushes from here on
     try:
-        out = fp8linear.scaled_mm(a, w.t(), one, one, out_dtype=torch.float32)
+        out = fp8linear.scaled_mm(a, w.t(), scale_a, one, out_dtype=torch.float32)
+        flushed_after = torch.set_flush_denormal(flush) and torch.tensor(1e-40).item() == 0.0
     finally:
         torch.set_flush_denormal(False)
-    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), one, one)) <= 1e-6
+    assert flushed_after or not flush  # the kernel restored the thread's MXCSR
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, one)) <= 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("k", [31, 64, 300])
+@pytest.mark.parametrize("kind", ["fp8", torch.bfloat16])
+def test_nan_codes_in_some_weight_rows(m, k, kind):
+    # the float32 route widens NaN codes to finite values and makes the outputs of the
+    # weight rows that hold one NaN afterwards: only those, wherever the code sits (first
+    # k, last k of a 32-k tail, a row between clean ones)
+    fmt = torch.float8_e4m3fn
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(23, k), dtype=fmt, granularity="row")
+    codes = w.view(torch.uint8).clone()
+    for row, column, code in [(0, 0, 0x7F), (5, k - 1, 0xFF), (6, k // 2, 0x7F), (22, k - 1, 0x7F)]:
+        codes[row, column] = code
+    w = codes.view(fmt)
+    a, scale_a = _activations(m, k, kind, fmt)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
+    nan_columns = torch.zeros(23, dtype=torch.bool)
+    nan_columns[[0, 5, 6, 22]] = True
+    assert torch.equal(exact.isnan(), nan_columns.expand(m, 23))
+    assert torch.equal(out.isnan(), exact.isnan())
+    assert relative_error(out[:, ~nan_columns], exact[:, ~nan_columns]) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 4, 20])
+@pytest.mark.parametrize("activation_fmt", FP8_DTYPES)
+@pytest.mark.parametrize("magnitude", ["smallest", "largest"])
+def test_extreme_products(m, activation_fmt, magnitude):
+    # every product at the fp8 formats' ends: the float32 route's factors (activations
+    # times 2^100, weights times 2^-120, sums times 2^20) keep the smallest products
+    # (2^-16 * 2^-9 = 2^-25 with e5m2 activations) clear of denormals and the largest
+    # (57344 * 448) clear of overflow
+    k = 300
+    smallest = {torch.float8_e4m3fn: 0x01, torch.float8_e5m2: 0x01}
+    largest = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
+    def codes(fmt, rows):
+        code = smallest[fmt] if magnitude == "smallest" else largest[fmt]
+        signs = torch.randint(0, 2, (rows, k), dtype=torch.uint8) * 0x80
+        return (signs | code).view(fmt)
+    a, w = codes(activation_fmt, m), codes(torch.float8_e4m3fn, 21)
+    one = torch.ones(())
+    out = fp8linear.scaled_mm(a, w.t(), one, one, out_dtype=torch.float32)
+    exact = reference.scaled_mm_float64(a, w.t(), one, one)
+    assert out.isfinite().all() and (exact != 0).any()
+    assert relative_error(out, exact) <= 1e-6
 
 
 @pytest.mark.parametrize("m", [1, 6, 20, 40])
 @pytest.mark.parametrize("k", [300, 600])  # 600: panels of 256 k, blocks of 128 across them
-def test_block_wise_scales(m, k):
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(140, k), granularity="block")
+@pytest.mark.parametrize("fmt", FP8_DTYPES)  # e4m3fn: the dot kernel at every M; e5m2: the panel kernel above 16
+def test_block_wise_scales(m, k, fmt):
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", dtype=fmt)
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(140, k), granularity="block", dtype=fmt)
     scale_w = scale_w.clone()
     scale_w[:, 1] *= 2.0**10  # a kernel applying one scale to all of K is far off
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
@@ -129,11 +182,13 @@ def test_threads_do_not_change_any_output(m):
     assert relative_error(results[0], reference.scaled_mm_float64(a, w.t(), scale_a, scale_w)) <= 1e-5
 
 
-def test_weight_only_layer_with_bf16_activations():
-    layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 70), activations="none")
+@pytest.mark.parametrize("weights", ["channel", "block"])
+def test_weight_only_layer_with_bf16_activations(weights):
+    # float activations: the float16 route (dot kernel up to 16 rows, panel kernel above)
+    layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 170), activations="none", weight_granularity=weights)
     for m in (1, 30):
         x = torch.randn(m, 300, dtype=torch.bfloat16)
         out = layer(x)
-        exact = reference.scaled_mm_float64(x, layer.weight.t(), torch.ones(()), layer.weight_scale,
+        exact = reference.scaled_mm_float64(x, layer.weight.t(), torch.ones(()), layer.weight_scale.t(),
                                             bias=layer.bias)
         assert relative_error(out, exact) <= 1e-2

@@ -108,15 +108,25 @@ void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
 void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
-/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace: the dot kernel up to
- * FP8_AVX2_DOT_MAX_ROWS rows (FP8_MM_FLOAT_DOT on the avx2 variant), the panel kernel
- * (FP8_MM_AVX2_PANEL) above, both over a workspace of K rounded up to 32, over panels of FP8_AVX2_KC k (a multiple of FP8_SCALE_BLOCK)
- * and tiles of at most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes. */
-/* Up to 16 rows the dot kernel's single pass beats the panel kernel, which pays for
- * widening and transposing each weight once per tile whatever M (4096 x 4096 from memory,
- * 2 threads, AMD EPYC Zen 3, ms dot / panel: M = 8 5.4 / 8.5, M = 16 10.3-11.5 / 9.3-12.1,
- * M = 24 14.2-14.5 / 11.2-12.0; 1536 x 576, M = 16 0.68 / 0.80). */
-enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256 };
+/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace (K rounded up to 32):
+ * the dot kernel (FP8_MM_FLOAT_DOT on the avx2 variant) and the panel kernel
+ * (FP8_MM_AVX2_PANEL: panels of FP8_AVX2_KC k, a multiple of FP8_SCALE_BLOCK, tiles of at
+ * most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes). The dot kernel takes
+ * every M when fp8_avx2_float32_route (e4m3fn weights, fp8 activations): its float32 route
+ * beats the panel kernel there at every size measured (2 threads, AMD EPYC Zen 3, ms dot /
+ * panel: 4096 x 4096 M = 64 18.6 / 27.7, M = 256 74 / 103, M = 1024 288 / 424; 14336 x
+ * 4096 M = 2048 2044 / 2966; 1536 x 576 M = 2048 39.6 / 45.5). Otherwise (the float16
+ * route) up to FP8_AVX2_DOT_MAX_ROWS rows: there the panel kernel, which widens and
+ * transposes each weight once per tile of rows, wins from M ~ 24 (4096 x 4096 from memory,
+ * ms dot / panel, before the float32 route: M = 8 5.4 / 8.5, M = 16 10.3-11.5 / 9.3-12.1,
+ * M = 24 14.2-14.5 / 11.2-12.0; 1536 x 576, M = 16 0.68 / 0.80; e5m2 weights at M = 64
+ * 19.2 / 14.1 with the float32 route in place). The dot kernel walks the weights in
+ * chunks of about FP8_AVX2_DOT_CHUNK_BYTES, each against all of its rows, so that the
+ * blocks of 4 rows after the first read the chunk from L2 (64 KiB to 1 MiB chunks: the
+ * same within 5% at M = 64-1024 on 4096 x 4096). */
+enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256, FP8_AVX2_DOT_CHUNK_BYTES = 256 * 1024 };
+/* Whether the avx2 dot kernel runs this call by its float32 route (see gemm_avx2.c). */
+int fp8_avx2_float32_route(const fp8_scaled_mm_params* p);
 int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
 /* What fp8 activations are widened times for the avx2 kernels (fp8_float_prepare). */
 float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p);

@@ -130,7 +130,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     plan.tile_n = 32;
     if (plan.variant == FP8_CPU_AVX2) plan.k_padded = round_up(p->k, 32);
     plan.workspace_bytes = p->m * plan.k_padded * (int64_t)sizeof(float);
-    if (plan.variant == FP8_CPU_AVX2 && p->m > FP8_AVX2_DOT_MAX_ROWS) {
+    if (plan.variant == FP8_CPU_AVX2 && p->m > FP8_AVX2_DOT_MAX_ROWS && !fp8_avx2_float32_route(p)) {
       plan.method = FP8_MM_AVX2_PANEL;
       plan.tile_m = p->m < FP8_AVX2_TILE_M ? p->m : FP8_AVX2_TILE_M;
       plan.scratch_bytes = fp8_avx2_scratch_bytes(&plan);

@@ -1,31 +1,51 @@
 /* scaled_mm on CPUs with AVX2 + FMA + F16C and no AVX-512 (AMD Zen 2/3, Intel Haswell to
  * Comet Lake): float32 FMA products over activations widened once into a float32
- * workspace (fp8_float_prepare, with fp8_avx2_activation_factor) and weights widened in
- * registers.
+ * workspace (fp8_float_prepare, times fp8_avx2_activation_factor) and weights widened in
+ * registers, by one of two routes.
  *
- * Widening: an fp8 code becomes float16 bits with a few integer operations (16 codes per
- * register), then float32 through vcvtph2ps. A byte unpack puts each code in the high
- * byte of a 16-bit lane: for e5m2 that is already its float16. For e4m3fn, shifted right
- * by one, the magnitude's exponent (bias 7) lands in float16's exponent field (bias 15)
- * and its mantissa on top of float16's, so the bits read the value times 2^-8,
- * subnormals included; adding the sign bit (now bit 14) to itself moves it to bit 15.
- * Magnitude 0x7F (NaN) would read 480 * 2^-8: its lane is set to all ones, a float16
- * NaN. The factor 256 is carried by fp8 activations (widened times 256, exactly) or, for
- * float activations, restored by a multiply. No float32 subnormal is ever formed (the
- * smallest e4m3 value times 2^-8 is 2^-17), and vcvtph2ps converts float16 subnormals
- * whatever MXCSR says, so flushed denormals (torch.set_flush_denormal(True)) change
- * nothing. Gathering from the decode table, as before, ran at a quarter of the speed
- * (4096 x 4096 at M = 1 from memory, 2 threads, AMD EPYC Zen 3: 9.4 -> 2.0-2.4 ms).
+ * The float16 route (e5m2 weights, or float activations: weight-only layers): an fp8 code
+ * becomes float16 bits with a few integer operations (16 codes per register), then
+ * float32 through vcvtph2ps. A byte unpack puts each code in the high byte of a 16-bit
+ * lane: for e5m2 that is already its float16. For e4m3fn, shifted right by one, the
+ * magnitude's exponent (bias 7) lands in float16's exponent field (bias 15) and its
+ * mantissa on top of float16's, so the bits read the value times 2^-8, subnormals
+ * included, and a multiply by 256 restores it (float activations could overflow if they
+ * carried the factor instead). Magnitude 0x7F (NaN) would read 480 * 2^-8: its lane is
+ * set to all ones, a float16 NaN. No float32 subnormal is ever formed (the smallest e4m3
+ * value times 2^-8 is 2^-17), and vcvtph2ps converts float16 subnormals whatever MXCSR
+ * says, so flushed denormals (torch.set_flush_denormal(True)) change nothing. Gathering
+ * from the decode table, as before, ran at a quarter of the speed (4096 x 4096 at M = 1
+ * from memory, 2 threads, AMD EPYC Zen 3: 9.4 -> 2.0-2.4 ms).
+ *
+ * The float32 route (e4m3fn weights against fp8 activations, W8A8, the default scheme):
+ * each code is sign-extended into a 32-bit lane (vpmovsxbd), shifted left by 20 and
+ * masked, which puts its sign on float32's and its 7 magnitude bits on the low exponent
+ * and top mantissa bits: the lane reads the value times 2^-120 exactly, e4m3 subnormals as
+ * float32 denormals. The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values
+ * times 2^100 stay below 2^116) and each sum is multiplied by 2^20 at the end (exact), so
+ * every product is at least 2^-45, far from float32's denormals. Denormal weights must not
+ * be read as zero: the kernel clears MXCSR's DAZ bit while it runs and restores it (Zen 3
+ * multiplies denormals at full speed). On a Zen 3 vcvtph2ps and the float16 route's
+ * shuffles compete with the FMAs for the same two pipes: 32 codes against one activation
+ * row took ~8 cycles that way and ~5.5 this way (the instruction sequences timed alone);
+ * the dot kernel at M = 1 on weights in L2 (256 x 1024, one thread) went from 23.8 to
+ * 18.1 us. NaN codes (magnitude 0x7F) read 480 * 2^-120: the kernel keeps the largest
+ * code magnitude of the weight rows it reads (two operations per 32 codes) and makes an
+ * output NaN at the end when its weight row holds a NaN code, which is what the product
+ * would have made it (NaN times anything, 0 included, is NaN).
  *
  * Two kernels:
- * - dot (M <= FP8_AVX2_DOT_MAX_ROWS): each output a dot product over K in vector partial
- *   sums; the rows in blocks of up to 4, each block against 4 (1-2 rows) or 2 (3-4 rows)
- *   weight rows at a time, so a block is one pass over the weights, widened once.
- * - panel (larger M): a block of 16 weight rows x FP8_AVX2_KC k is widened and transposed
- *   once into a float32 panel ([k][16]), which a 6 x 16 register block (12 accumulators,
- *   6 broadcast activations, 2 panel loads per k) then multiplies with every activation
- *   row of the tile: the widening is paid once per tile of rows, not per row. Sums
- *   accumulate in a float32 block of the tile's rows x 16 in the thread's scratch.
+ * - dot (the float32 route at every M; the float16 route up to FP8_AVX2_DOT_MAX_ROWS):
+ *   each output a dot product over K in vector partial sums; the rows in blocks of up to
+ *   4, each block against 4 (1-2 rows) or 2 (3-4 rows) weight rows at a time, so a block
+ *   is one pass over its weights, widened once; the weights in chunks that stay in L2
+ *   while every block of rows passes over them.
+ * - panel (the float16 route above FP8_AVX2_DOT_MAX_ROWS rows): a block of 16 weight rows x
+ *   FP8_AVX2_KC k is widened and transposed once into a float32 panel ([k][16]), which a
+ *   6 x 16 register block (12 accumulators, 6 broadcast activations, 2 panel loads per k)
+ *   then multiplies with every activation row of the tile: the widening is paid once per
+ *   tile of rows, not per row. Sums accumulate in a float32 block of the tile's rows x 16
+ *   in the thread's scratch.
  * Both sum per block of FP8_SCALE_BLOCK k when a scale varies along K (block-wise). */
 #include <immintrin.h>
 #include <string.h>
@@ -37,50 +57,68 @@
 
 enum { DOT_ROWS = 4, DOT_COLS = 4, PANEL_ROWS = 6, PANEL_COLS = 16 };
 
-/* Whether the activations in the workspace carry the factor 256 that e4m3fn weights
- * widened through float16 lack (fp8 activations: exact, their values being at most
- * 57344); float32/bf16/fp16 activations could overflow, so their weights are multiplied
- * back instead (one multiply per 8 weights more). */
-static int activations_scaled(const fp8_scaled_mm_params* p) { return p->b_format == FP8_E4M3FN && !p->a_is_float; }
+/* What the float32 route's activations carry, and its sums are multiplied back by. */
+#define FLOAT32_ROUTE_ACTIVATION_FACTOR 0x1p100f
+#define FLOAT32_ROUTE_SUM_FACTOR 0x1p20f
 
-/* 16-bit lanes holding code << 8 -> float16 bits (e4m3fn: the value times 2^-8; NaN codes
- * as all ones, a float16 NaN). */
+/* The float32 route takes e4m3fn weights against fp8 activations: those carry its factor
+ * exactly (fp8 values are at most 57344, times 2^100); float32/bf16/fp16 activations could
+ * overflow, and e5m2 weights widen to float16 as they are. */
+int fp8_avx2_float32_route(const fp8_scaled_mm_params* p) { return p->b_format == FP8_E4M3FN && !p->a_is_float; }
+
+float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p) {
+  return fp8_avx2_float32_route(p) ? FLOAT32_ROUTE_ACTIVATION_FACTOR : 1.0f;
+}
+
+/* 16-bit lanes holding code << 8 -> float16 bits (e4m3fn: the value times 2^-8; the low
+ * byte may hold anything, the mask clears it). The arithmetic shift copies the sign into
+ * bit 14 as well, where the mask clears it; NaN codes become all ones (a float16 NaN). */
 AVX2_TARGET ALWAYS_INLINE __m256i half16(__m256i high_codes, const fp8_format FORMAT) {
   if (FORMAT == FP8_E5M2) return high_codes;
-  const __m256i x = _mm256_srli_epi16(high_codes, 1);
-  const __m256i h = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(high_codes, 1), _mm256_set1_epi16((short)0xBF80));
   const __m256i magnitude = _mm256_set1_epi16(0x3F80);
-  return _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(x, magnitude), magnitude));
+  return _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, magnitude), magnitude));
 }
 
-/* float16 bits -> float32; SCALE: times 256 (e4m3fn weights against unscaled activations). */
-AVX2_TARGET ALWAYS_INLINE __m256 half_to_float(__m128i half, const int SCALE) {
+/* float16 bits (half16's) -> float32: e4m3fn's times 256, which brings them back to the
+ * weight's value. */
+AVX2_TARGET ALWAYS_INLINE __m256 half_to_float(__m128i half, const fp8_format FORMAT) {
   const __m256 v = _mm256_cvtph_ps(half);
-  return SCALE ? _mm256_mul_ps(v, _mm256_set1_ps(256.0f)) : v;
+  return FORMAT == FP8_E4M3FN ? _mm256_mul_ps(v, _mm256_set1_ps(256.0f)) : v;
 }
 
-/* Half H (0 or 1) of the 32 codes at row[0..32), bytes at or past `left` read as 0 (never
- * past the row's end): w[0] = codes 8H .. 8H + 8, w[1] = codes 16 + 8H .. 24 + 8H (the
- * order the in-lane byte unpack leaves them in; the activations are read to match). */
-AVX2_TARGET ALWAYS_INLINE void widen_half32(const uint8_t* row, int64_t left, const int H, __m256 w[2],
-                                            const fp8_format FORMAT, const int SCALE) {
-  __m256i bytes;
-  if (left >= 32) {
-    bytes = _mm256_loadu_si256((const __m256i*)row);
-  } else {
-    uint8_t tail[32] = {0};
-    if (left > 0) memcpy(tail, row, (size_t)left);
-    bytes = _mm256_loadu_si256((const __m256i*)tail);
+/* The float32 route: 8 e4m3fn codes at row[0..8) -> their values times 2^-120, in order
+ * (NaN codes as 480 * 2^-120). */
+AVX2_TARGET ALWAYS_INLINE __m256 widen8_float32_route(const uint8_t* row) {
+  const __m256i lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)row));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(lanes, 20), _mm256_set1_epi32((int)0x87F00000u)));
+}
+
+/* The 32 codes at row[0..32) -> w[0..4) = codes 0..8, 8..16, 16..24, 24..32: the float32
+ * route when FLOAT32_ROUTE, else the float16 route (in-lane unpacks leave the float16
+ * route's codes in the order 0..8, 16..24, 8..16, 24..32: its w[1] and w[2] are swapped
+ * back here, which costs nothing). */
+AVX2_TARGET ALWAYS_INLINE void widen32(const uint8_t* row, __m256 w[4], const fp8_format FORMAT,
+                                       const int FLOAT32_ROUTE) {
+  if (FLOAT32_ROUTE) {
+    for (int j = 0; j < 4; ++j) w[j] = widen8_float32_route(row + 8 * j);
+    return;
   }
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i high_codes = H ? _mm256_unpackhi_epi8(zero, bytes) : _mm256_unpacklo_epi8(zero, bytes);
-  const __m256i half = half16(high_codes, FORMAT);
-  w[0] = half_to_float(_mm256_castsi256_si128(half), SCALE);
-  w[1] = half_to_float(_mm256_extracti128_si256(half, 1), SCALE);
+  const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
+  /* e4m3fn: half16's mask clears the low byte, so it may hold a copy of the code (no zero
+   * register needed); e5m2 takes its float16 as it is */
+  const __m256i low_byte = FORMAT == FP8_E5M2 ? _mm256_setzero_si256() : bytes;
+  const __m256i low = half16(_mm256_unpacklo_epi8(low_byte, bytes), FORMAT);
+  const __m256i high = half16(_mm256_unpackhi_epi8(low_byte, bytes), FORMAT);
+  w[0] = half_to_float(_mm256_castsi256_si128(low), FORMAT);
+  w[2] = half_to_float(_mm256_extracti128_si256(low, 1), FORMAT);
+  w[1] = half_to_float(_mm256_castsi256_si128(high), FORMAT);
+  w[3] = half_to_float(_mm256_extracti128_si256(high, 1), FORMAT);
 }
 
-/* The 8 codes at row[0..8) (as widen_half32 for `left`), in order. */
-AVX2_TARGET ALWAYS_INLINE __m256 widen8(const uint8_t* row, int64_t left, const fp8_format FORMAT, const int SCALE) {
+/* The 8 codes at row[0..8) (bytes at or past `left` read as 0), in order, by the float16
+ * route (NaN codes as NaN). */
+AVX2_TARGET ALWAYS_INLINE __m256 widen8(const uint8_t* row, int64_t left, const fp8_format FORMAT) {
   uint64_t chunk = 0;
   if (left >= 8) {
     memcpy(&chunk, row, 8);
@@ -89,10 +127,8 @@ AVX2_TARGET ALWAYS_INLINE __m256 widen8(const uint8_t* row, int64_t left, const 
   }
   const __m128i high_codes = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_cvtsi64_si128((long long)chunk));
   /* the 256-bit form on the low half: one operation as well on AVX2 CPUs */
-  return half_to_float(_mm256_castsi256_si128(half16(_mm256_castsi128_si256(high_codes), FORMAT)), SCALE);
+  return half_to_float(_mm256_castsi256_si128(half16(_mm256_castsi128_si256(high_codes), FORMAT)), FORMAT);
 }
-
-float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p) { return activations_scaled(p) ? 256.0f : 1.0f; }
 
 AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -100,31 +136,79 @@ AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
-/* ROWS activation rows x COLS weight rows over half H of the 32 k at k0; the last step
- * of a row (TAIL) reads its end byte by byte. */
+/* Whether weight row[0..k) holds an e4m3fn NaN code (the float32 route's rare path). */
+static int row_has_nan(const uint8_t* row, int64_t k) {
+  for (int64_t i = 0; i < k; ++i)
+    if ((row[i] & 0x7F) == 0x7F) return 1;
+  return 0;
+}
+
+/* Partial sums per output: with one activation row, two (each output's FMAs chain
+ * through its sums, 4 cycles apiece: 4 weight rows x 2 sums keep 8 chains going). */
+enum { DOT_PARTS = 2 };
+
+/* ROWS activation rows x COLS weight rows over the 32 k at k0; the last step of a row
+ * (TAIL) reads its end from a zero-padded copy. The float32 route keeps in `nan_max` the
+ * largest code magnitude seen (0x7F: a NaN). */
 AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t weight_stride, int64_t k,
-                                        const float* const* activations, int64_t k0, __m256 acc[DOT_ROWS][DOT_COLS],
-                                        const int ROWS, const int COLS, const int H, const int TAIL,
-                                        const fp8_format FORMAT, const int SCALE) {
-  __m256 w[DOT_COLS][2];
-  if (!TAIL && H == 0) {
+                                        const float* const* activations, int64_t k0,
+                                        __m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS], __m256i* nan_max,
+                                        const int ROWS, const int COLS, const int TAIL, const fp8_format FORMAT,
+                                        const int FLOAT32_ROUTE) {
+  const int PARTS = ROWS == 1 ? 2 : 1;
+  if (!TAIL) {
     /* the same bytes of the next block's rows (harmless past the end: a prefetch never
      * faults). Each weight row is a stream of only K bytes, which the hardware prefetcher
      * picks up late: 1536 x 576 at M = 1 from memory, 2 threads, AMD EPYC Zen 3, 0.25 ->
-     * 0.16 ms; a fixed distance ahead in the same rows (1 KiB) or into L2 gained less */
+     * 0.16 ms; a fixed distance ahead in the same rows (1 KiB) or into L2 gained less, and
+     * so did 2 or 3 blocks ahead */
     for (int c = 0; c < COLS; ++c) _mm_prefetch((const char*)weights[c] + COLS * weight_stride + k0, _MM_HINT_T0);
   }
-  for (int c = 0; c < COLS; ++c) widen_half32(weights[c] + k0, TAIL ? k - k0 : 32, H, w[c], FORMAT, SCALE);
+  for (int c = 0; c < COLS; ++c) {
+    const uint8_t* row = weights[c] + k0;
+    uint8_t tail[32] __attribute__((aligned(32)));
+    if (TAIL) { /* k - k0 is 1..31 here */
+      memset(tail, 0, sizeof tail);
+      memcpy(tail, row, (size_t)(k - k0));
+      row = tail;
+    }
+    if (FLOAT32_ROUTE) {
+      const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
+      *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
+    }
+    __m256 w[4];
+    widen32(row, w, FORMAT, FLOAT32_ROUTE);
+    for (int r = 0; r < ROWS; ++r) {
+      const float* a = activations[r] + k0;
+      __m256* sum = acc[r][c];
+      sum[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a), w[0], sum[0]);
+      sum[PARTS - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), w[1], sum[PARTS - 1]);
+      sum[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), w[2], sum[0]);
+      sum[PARTS - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), w[3], sum[PARTS - 1]);
+    }
+  }
+}
+
+/* Block-wise: the sums of one block of 128 k, scaled, join the totals; the sums restart. */
+AVX2_TARGET ALWAYS_INLINE void dot_fold_block(__m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS],
+                                              float total[DOT_ROWS][DOT_COLS][8], const float* const* scale_a,
+                                              const float* const* scale_b, int64_t at_a, int64_t at_b,
+                                              const int ROWS, const int COLS) {
+  const int PARTS = ROWS == 1 ? 2 : 1;
   for (int r = 0; r < ROWS; ++r) {
-    const float* a = activations[r] + k0 + 8 * H;
-    const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 16);
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(a1, w[c][1], _mm256_fmadd_ps(a0, w[c][0], acc[r][c]));
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 scale = _mm256_set1_ps(scale_a[r][at_a] * scale_b[c][at_b]);
+      const __m256 sum = PARTS == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][PARTS - 1]) : acc[r][c][0];
+      _mm256_store_ps(total[r][c], _mm256_fmadd_ps(sum, scale, _mm256_load_ps(total[r][c])));
+      for (int h = 0; h < PARTS; ++h) acc[r][c][h] = _mm256_setzero_ps();
+    }
   }
 }
 
 AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const float* activations, int64_t k_padded,
                                          int64_t m0, int64_t n0, const int ROWS, const int COLS, const int BLOCKED,
-                                         const fp8_format FORMAT, const int SCALE) {
+                                         const fp8_format FORMAT, const int FLOAT32_ROUTE) {
+  const int PARTS = ROWS == 1 ? 2 : 1;
   const uint8_t* weights[DOT_COLS];
   const float* rows[DOT_ROWS];
   for (int c = 0; c < COLS; ++c) weights[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
@@ -142,45 +226,55 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
     for (int r = 0; r < ROWS; ++r) scale_a[r] = fp8_k_block_scale_a_at(p, m0 + r);
     for (int c = 0; c < COLS; ++c) scale_b[c] = fp8_k_block_scale_b_at(p, n0 + c);
   }
-  __m256 acc[DOT_ROWS][DOT_COLS];
+  __m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS];
+  __m256i nan_max = _mm256_setzero_si256();
   float total[DOT_ROWS][DOT_COLS][8] __attribute__((aligned(32)));
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
+      for (int h = 0; h < PARTS; ++h) acc[r][c][h] = _mm256_setzero_ps();
       if (BLOCKED) _mm256_store_ps(total[r][c], _mm256_setzero_ps());
     }
   }
   const int64_t k_full = k & ~(int64_t)31;
-  for (int64_t k0 = 0, kb = 0; k0 < k_padded; ++kb) {
-    /* up to the end of K, or of this block of 128 k */
-    const int64_t k_stop = BLOCKED && k0 + FP8_SCALE_BLOCK < k_padded ? k0 + FP8_SCALE_BLOCK : k_padded;
-    const int64_t k_stop_full = k_stop < k_full ? k_stop : k_full;
-    for (; k0 < k_stop_full; k0 += 32) {
-      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 0, 0, FORMAT, SCALE);
-      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 1, 0, FORMAT, SCALE);
-    }
-    for (; k0 < k_stop; k0 += 32) {
-      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 0, 1, FORMAT, SCALE);
-      dot_step(weights, weight_stride, k, rows, k0, acc, ROWS, COLS, 1, 1, FORMAT, SCALE);
-    }
-    if (BLOCKED) {
-      for (int r = 0; r < ROWS; ++r) {
-        for (int c = 0; c < COLS; ++c) {
-          const __m256 scale = _mm256_set1_ps(scale_a[r][kb * step_a] * scale_b[c][kb * step_b]);
-          _mm256_store_ps(total[r][c], _mm256_fmadd_ps(acc[r][c], scale, _mm256_load_ps(total[r][c])));
-          acc[r][c] = _mm256_setzero_ps();
-        }
-      }
+#define DOT_STEP(K0, TAIL) \
+  dot_step(weights, weight_stride, k, rows, K0, acc, &nan_max, ROWS, COLS, TAIL, FORMAT, FLOAT32_ROUTE)
+  int64_t k0 = 0, kb = 0;
+  /* 128 k at a time in straight code (FP8_DOT_UNROLL) */
+  for (; k0 + FP8_SCALE_BLOCK <= k_full; k0 += FP8_SCALE_BLOCK, ++kb) {
+    DOT_STEP(k0, 0);
+    DOT_STEP(k0 + 32, 0);
+    DOT_STEP(k0 + 64, 0);
+    DOT_STEP(k0 + 96, 0);
+    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS);
+  }
+  /* the rest: less than 128 k (for block-wise calls the last, partial block) */
+  if (k0 < k_padded) {
+    for (; k0 < k_full; k0 += 32) DOT_STEP(k0, 0);
+    if (k0 < k_padded) DOT_STEP(k0, 1);
+    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS);
+  }
+#undef DOT_STEP
+  float sums[DOT_ROWS][DOT_COLS];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 sum = PARTS == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][PARTS - 1]) : acc[r][c][0];
+      sums[r][c] = sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : sum);
+      if (FLOAT32_ROUTE) sums[r][c] *= FLOAT32_ROUTE_SUM_FACTOR;
     }
   }
+  if (FLOAT32_ROUTE && _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_max, _mm256_set1_epi8(0x7F))) != 0) {
+    for (int c = 0; c < COLS; ++c)
+      if (row_has_nan(weights[c], k))
+        for (int r = 0; r < ROWS; ++r) sums[r][c] = __builtin_nanf("");
+  }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) fp8_store_dot_sum(p, m0 + r, n0 + c, sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : acc[r][c]));
+    for (int c = 0; c < COLS; ++c) fp8_store_dot_sum(p, m0 + r, n0 + c, sums[r][c]);
 }
 
-#define DOT_CALL(ROWS, COLS)                                                   \
-  do {                                                                         \
-    if (blocked) dot_block(p, a, kp, m0, n, ROWS, COLS, 1, FORMAT, SCALE);     \
-    else dot_block(p, a, kp, m0, n, ROWS, COLS, 0, FORMAT, SCALE);             \
+#define DOT_CALL(ROWS, COLS)                                                                 \
+  do {                                                                                       \
+    if (blocked) dot_block(p, a, kp, m0, n, ROWS, COLS, 1, FORMAT, FLOAT32_ROUTE);    \
+    else dot_block(p, a, kp, m0, n, ROWS, COLS, 0, FORMAT, FLOAT32_ROUTE);            \
   } while (0)
 
 /* 4 weight rows at a time against 1-2 activation rows, 2 against 3-4 (accumulators
@@ -188,23 +282,30 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
 #define DOT_ROW_BLOCKS(ROWS)                                                   \
   do {                                                                         \
     const int COLS = (ROWS) <= 2 ? 4 : 2;                                      \
-    for (; n + COLS <= n_end; n += COLS) DOT_CALL(ROWS, COLS);                 \
-    for (; n < n_end; ++n) DOT_CALL(ROWS, 1);                                  \
+    for (; n + COLS <= chunk_end; n += COLS) DOT_CALL(ROWS, COLS);             \
+    for (; n < chunk_end; ++n) DOT_CALL(ROWS, 1);                              \
   } while (0)
 
 AVX2_TARGET ALWAYS_INLINE void dot_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a,
                                         int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end,
-                                        const fp8_format FORMAT, const int SCALE) {
+                                        const fp8_format FORMAT, const int FLOAT32_ROUTE) {
   const int64_t kp = plan->k_padded;
   const int blocked = fp8_k_blocked(p);
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += DOT_ROWS) { /* all rows (up to 4) against each weight */
-    const int64_t rows = m_end - m0 < DOT_ROWS ? m_end - m0 : DOT_ROWS;
-    int64_t n = n_begin;
-    switch (rows) {
-      case 4: DOT_ROW_BLOCKS(4); break;
-      case 3: DOT_ROW_BLOCKS(3); break;
-      case 2: DOT_ROW_BLOCKS(2); break;
-      default: DOT_ROW_BLOCKS(1); break;
+  /* the weights in chunks of about FP8_AVX2_DOT_CHUNK_BYTES, each chunk against all the
+   * rows: every block of 4 rows after the first reads the chunk from L2, not memory */
+  int64_t chunk = FP8_AVX2_DOT_CHUNK_BYTES / (kp > 0 ? kp : 1);
+  chunk = chunk < 4 ? 4 : chunk & ~(int64_t)3;
+  for (int64_t chunk_begin = n_begin; chunk_begin < n_end; chunk_begin += chunk) {
+    const int64_t chunk_end = n_end - chunk_begin < chunk ? n_end : chunk_begin + chunk;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += DOT_ROWS) { /* all rows (up to 4) against each weight */
+      const int64_t rows = m_end - m0 < DOT_ROWS ? m_end - m0 : DOT_ROWS;
+      int64_t n = chunk_begin;
+      switch (rows) {
+        case 4: DOT_ROW_BLOCKS(4); break;
+        case 3: DOT_ROW_BLOCKS(3); break;
+        case 2: DOT_ROW_BLOCKS(2); break;
+        default: DOT_ROW_BLOCKS(1); break;
+      }
     }
   }
 }
@@ -243,7 +344,7 @@ AVX2_TARGET ALWAYS_INLINE void transpose8(__m256 v[8]) {
 /* panel[k][c] = weight row n0 + c at k = k_begin + k, for k < k_len (a multiple of 8) and
  * c < 16; rows at or past n_end and k at or past K read as 0. */
 AVX2_TARGET ALWAYS_INLINE void fill_panel(const fp8_scaled_mm_params* p, int64_t n0, int64_t n_end, int64_t k_begin,
-                                          int64_t k_len, float* panel, const fp8_format FORMAT, const int SCALE) {
+                                          int64_t k_len, float* panel, const fp8_format FORMAT) {
   for (int half = 0; half < 2; ++half) {
     const uint8_t* rows[8];
     int valid[8];
@@ -255,7 +356,7 @@ AVX2_TARGET ALWAYS_INLINE void fill_panel(const fp8_scaled_mm_params* p, int64_t
     for (int64_t k = 0; k < k_len; k += 8) {
       const int64_t left = p->k - (k_begin + k);
       __m256 v[8];
-      for (int j = 0; j < 8; ++j) v[j] = valid[j] ? widen8(rows[j] + k_begin + k, left, FORMAT, SCALE) : _mm256_setzero_ps();
+      for (int j = 0; j < 8; ++j) v[j] = valid[j] ? widen8(rows[j] + k_begin + k, left, FORMAT) : _mm256_setzero_ps();
       transpose8(v);
       for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * PANEL_COLS + half * 8, v[j]);
     }
@@ -360,7 +461,7 @@ AVX2_TARGET ALWAYS_INLINE void panel_epilogue(const fp8_scaled_mm_params* p, con
 
 AVX2_TARGET ALWAYS_INLINE void panel_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a,
                                              void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                             int64_t n_end, const fp8_format FORMAT, const int SCALE) {
+                                             int64_t n_end, const fp8_format FORMAT) {
   float* panel = (float*)scratch;
   float* scales = panel + panel_floats();
   float* sums = scales + panel_scale_floats();
@@ -371,7 +472,7 @@ AVX2_TARGET ALWAYS_INLINE void panel_compute(const fp8_scaled_mm_params* p, cons
     memset(sums, 0, sizeof(float) * (size_t)((m_end - m_begin) * PANEL_COLS));
     for (int64_t k0 = 0; k0 < kp; k0 += FP8_AVX2_KC) {
       const int64_t k_len = kp - k0 < FP8_AVX2_KC ? kp - k0 : FP8_AVX2_KC;
-      fill_panel(p, n0, n_end, k0, k_len, panel, FORMAT, SCALE);
+      fill_panel(p, n0, n_end, k0, k_len, panel, FORMAT);
       if (!blocked) {
         panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, sums, NULL, 0);
         continue;
@@ -389,18 +490,27 @@ AVX2_TARGET ALWAYS_INLINE void panel_compute(const fp8_scaled_mm_params* p, cons
   }
 }
 
-#define AVX2_KERNEL(FORMAT, SCALE)                                                           \
+#define AVX2_KERNEL(FORMAT)                                                                 \
   do {                                                                                       \
-    if (panel) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FORMAT, SCALE); \
-    else dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FORMAT, SCALE);                 \
+    if (panel) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FORMAT);   \
+    else dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FORMAT, 0);                    \
   } while (0)
 
 AVX2_TARGET void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                                   void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
   const float* a = (const float*)workspace;
+  if (fp8_avx2_float32_route(p)) { /* the float32 route: the dot kernel at every M */
+    /* e4m3 subnormal weights are float32 denormals, which DAZ (torch.set_flush_denormal(True))
+     * would read as zero; MXCSR is the thread's own */
+    const unsigned int csr = _mm_getcsr();
+    enum { DENORMALS_ARE_ZERO = 1u << 6 };
+    if (csr & DENORMALS_ARE_ZERO) _mm_setcsr(csr & ~(unsigned int)DENORMALS_ARE_ZERO);
+    dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FP8_E4M3FN, 1);
+    if (csr & DENORMALS_ARE_ZERO) _mm_setcsr(csr);
+    return;
+  }
   const int panel = plan->method == FP8_MM_AVX2_PANEL;
-  if (p->b_format == FP8_E5M2) AVX2_KERNEL(FP8_E5M2, 0);
-  else if (activations_scaled(p)) AVX2_KERNEL(FP8_E4M3FN, 0);
-  else AVX2_KERNEL(FP8_E4M3FN, 1);
+  if (p->b_format == FP8_E5M2) AVX2_KERNEL(FP8_E5M2);
+  else AVX2_KERNEL(FP8_E4M3FN); /* e4m3fn weights against float activations */
 }
 #undef AVX2_KERNEL
