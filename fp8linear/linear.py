@@ -83,6 +83,15 @@ _KERNEL_DTYPES = frozenset(ops.FLOAT_DTYPES)  # activation dtypes the kernels ta
 _ACTIVATION_OP_GRANULARITY = {"tensor": "tensor", "token": "row", "group": "group"}
 _WEIGHT_OP_GRANULARITY = {"tensor": "tensor", "channel": "row", "block": "block"}
 _AUTOCAST_DEVICES = frozenset(("cpu", "cuda"))  # torch.is_autocast_enabled refuses "meta"
+# Up to this many rows (tokens) a forward without autograd is one call of ops.linear, the
+# quantization and the product composed in C++: at decode the Python around two op calls
+# cost more than the kernels of a small layer (SmolLM2 on an AMD EPYC Zen 3, a 64 x 64
+# layer at M = 1: ~40 us a call, ~16 of them the two calls). Larger inputs take the two
+# ops from Python, where q, k and v (and gate and up) share one quantization of their
+# input (_LastQuantizedInput), which saves more than the calls cost at prompt sizes.
+_FUSED_MAX_ROWS = 16
+_LINEAR_ACTIVATIONS = ops.LINEAR_ACTIVATIONS
+_LINEAR_GRANULARITIES = ops.LINEAR_GRANULARITIES
 _FROZEN_WEIGHT = ("FP8Linear's weight is fp8 and frozen: gradients for it are not supported (set "
                   "weight.requires_grad = False). Train adapters such as LoRA on top of the layer, which "
                   "get input gradients, or keep the layer an nn.Linear to train it.")
@@ -420,7 +429,6 @@ class FP8Linear(nn.Module):
             if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
                 x = x.to(torch.get_autocast_dtype(device_type))  # as nn.Linear: compute and return that dtype
         leading = x.shape[:-1]
-        x2d = x if len(leading) == 1 else x.reshape(-1, in_features)
         config = self.config
         if config.activations == "none":
             activation_scale = buffers["unit_scale"]
@@ -432,11 +440,19 @@ class FP8Linear(nn.Module):
         else:
             activation_scale = None
         weight_scale = buffers["weight_scale"]
-        if torch.is_grad_enabled() and (x2d.requires_grad or (bias is not None and bias.requires_grad)):
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            x2d = x if len(leading) == 1 else x.reshape(-1, in_features)
             out = _FP8LinearFunction.apply(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype)
+            out = out if len(leading) == 1 else out.view(*leading, self.out_features)
+        elif in_features and x.numel() <= _FUSED_MAX_ROWS * in_features and not torch.compiler.is_compiling():
+            # decode-sized, eager: one op call (see _FUSED_MAX_ROWS; compiled graphs have no
+            # Python between the ops to save, and keep the two ops in view)
+            out = ops.linear(x, weight, weight_scale, bias, activation_scale, _LINEAR_ACTIVATIONS[config.activations],
+                             _LINEAR_GRANULARITIES[config.activation_granularity])
         else:
+            x2d = x if len(leading) == 1 else x.reshape(-1, in_features)
             out = _product(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype, x)
-        out = out if len(leading) == 1 else out.view(leading + (self.out_features,))
+            out = out if len(leading) == 1 else out.view(*leading, self.out_features)
         return out if input_dtype != torch.float64 else out.to(torch.float64)
 
     def extra_repr(self) -> str:

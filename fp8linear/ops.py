@@ -1,4 +1,5 @@
-"""The two ops, quantize_fp8 and scaled_mm: the only caller of torch.ops.fp8linear.*.
+"""The two ops, quantize_fp8 and scaled_mm (and linear, FP8Linear's forward composed of
+them in C++ for decode-sized inputs): the only caller of torch.ops.fp8linear.*.
 
 Each wrapper documents its contract (docs/design.md, numerics); the fake (meta)
 implementation beside each op mirrors the checks in csrc/bindings/checks.cpp so
@@ -127,6 +128,28 @@ def scaled_mm(
                      {"out_dtype": out_dtype})
     native()
     return torch.ops.fp8linear.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+
+
+#: fp8linear::linear's codes for how the input is quantized (FP8Config.activations) and
+#: at which granularity when dynamic (FP8Config.activation_granularity).
+LINEAR_ACTIVATIONS = {"none": 0, "static": 1, "dynamic": 2}
+LINEAR_GRANULARITIES = {"tensor": 0, "token": 1, "group": 2}
+_linear_op = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+           activation_scale: torch.Tensor | None, activations: int, granularity: int) -> torch.Tensor:
+    """FP8Linear's forward in one op call, for its decode-sized inputs: ``x`` ``[..., K]``
+    quantized as ``activations`` / ``granularity`` say (LINEAR_ACTIVATIONS,
+    LINEAR_GRANULARITIES; ``activation_scale`` the static input scale, or the unit scale of
+    weight-only layers) and multiplied by ``weight`` ``[N, K]`` with its ``weight_scale``:
+    ``[..., N]`` in x's dtype, bit for bit what quantize_fp8 and scaled_mm give. No checks
+    here: FP8Linear's state is checked where it is set, and the ops check the rest."""
+    global _linear_op
+    if _linear_op is None:
+        native()
+        _linear_op = torch.ops.fp8linear.linear.default  # one overload: skips the packet's resolution per call
+    return _linear_op(x, weight, weight_scale, bias, activation_scale, activations, granularity)
 
 
 def _check(condition: bool, message: str) -> None:

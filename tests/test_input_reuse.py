@@ -1,7 +1,10 @@
 """Layers fed the same input tensor (q, k and v; gate and up) quantize it once: the
 dynamic quantization of a CPU input is kept per thread while that tensor lives
 unmodified, and reused by the next layer that quantizes it the same way. These tests
-check that the reuse happens, and that it never returns a stale or foreign result."""
+check that the reuse happens, and that it never returns a stale or foreign result.
+The reuse is for inputs above FP8Linear's fused size (more than 16 rows); smaller ones
+take one ops.linear call, which quantizes in C++ (test_linear.py checks it against the
+two ops), so the inputs here have 20 rows or more."""
 import gc
 import threading
 
@@ -51,7 +54,7 @@ def fresh(layer, x):
 @pytest.mark.parametrize("scheme", ["per-tensor", "per-channel", "block"])
 def test_siblings_quantize_a_shared_input_once_with_the_same_outputs(quantize_calls, scheme):
     q, k, v = quantize_calls.layers(scheme)
-    x = torch.randn(3, 5, 72, dtype=torch.bfloat16)
+    x = torch.randn(3, 7, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         outputs = [q(x), k(x), v(x)]
         assert quantize_calls.count == 1
@@ -62,7 +65,7 @@ def test_siblings_quantize_a_shared_input_once_with_the_same_outputs(quantize_ca
 
 def test_an_in_place_change_between_layers_is_seen(quantize_calls):
     q, k, _ = quantize_calls.layers()
-    x = torch.randn(6, 72, dtype=torch.bfloat16)
+    x = torch.randn(20, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         q(x)
         x[2].mul_(3.0)  # through a view: the version counter is shared
@@ -74,7 +77,7 @@ def test_an_in_place_change_between_layers_is_seen(quantize_calls):
 def test_a_different_quantization_of_the_same_input_is_not_reused(quantize_calls):
     (per_tensor,) = quantize_calls.layers("per-tensor", sizes=(16,))
     (per_token,) = quantize_calls.layers("per-channel", sizes=(16,))
-    x = torch.randn(4, 72) * torch.logspace(-3, 3, 4).unsqueeze(1)  # rows of very different magnitudes
+    x = torch.randn(20, 72) * torch.logspace(-3, 3, 20).unsqueeze(1)  # rows of very different magnitudes
     with torch.no_grad():
         a, b = per_tensor(x), per_token(x)
         assert quantize_calls.count == 2
@@ -86,7 +89,7 @@ def test_static_and_weight_only_layers_do_not_take_a_reused_input(quantize_calls
     (static,) = quantize_calls.layers("static", sizes=(16,))
     static.set_input_scale(0.5)
     (weight_only,) = quantize_calls.layers("weight-only", sizes=(16,))
-    x = torch.randn(4, 72, dtype=torch.bfloat16)
+    x = torch.randn(20, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         dynamic(x)
         out_static, out_weight_only = static(x), weight_only(x)
@@ -97,7 +100,7 @@ def test_inference_mode_tensors_are_never_reused(quantize_calls):
     # they carry no version counter, so an in-place change could not be seen
     q, k, _ = quantize_calls.layers()
     with torch.inference_mode():
-        x = torch.randn(4, 72, dtype=torch.bfloat16)
+        x = torch.randn(20, 72, dtype=torch.bfloat16)
         q(x)
         x.add_(1.0)
         out = k(x)
@@ -124,7 +127,7 @@ def test_the_kept_quantization_is_dropped_with_its_input(quantize_calls):
 
 def test_another_thread_does_not_see_this_threads_input(quantize_calls):
     q, k, _ = quantize_calls.layers()
-    x = torch.randn(4, 72, dtype=torch.bfloat16)
+    x = torch.randn(20, 72, dtype=torch.bfloat16)
     with torch.no_grad():
         q(x)
     seen = []
@@ -144,7 +147,7 @@ def test_another_thread_does_not_see_this_threads_input(quantize_calls):
 
 def test_training_inputs_get_gradients_as_before(quantize_calls):
     q, k, _ = quantize_calls.layers()
-    x = torch.randn(4, 72, requires_grad=True)
+    x = torch.randn(20, 72, requires_grad=True)
     (q(x).sum() + k(x).sum()).backward()
     x_again = x.detach().clone().requires_grad_(True)
     q(x_again).sum().backward()

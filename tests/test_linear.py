@@ -134,3 +134,70 @@ def test_torch_compile_fullgraph_matches_eager():
     x = torch.randn(5, 64)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), layer(x))
+
+
+FUSED_SCHEMES = {
+    "per-tensor": dict(),
+    "per-channel+per-token": dict(weight_granularity="channel", activation_granularity="token"),
+    "block+group": dict(weight_granularity="block", activation_granularity="group"),
+    "static": dict(activations="static"),
+    "weight-only block": dict(weight_granularity="block", activations="none"),
+    "e5m2 per-channel": dict(weight_granularity="channel", activation_granularity="token", fp8_dtype=torch.float8_e5m2),
+}
+
+
+@pytest.mark.parametrize("scheme", list(FUSED_SCHEMES))
+@pytest.mark.parametrize("dtype", (*FLOAT_DTYPES, torch.float64))
+@pytest.mark.parametrize("shape", [(300,), (0, 300), (1, 300), (5, 300), (16, 300), (2, 3, 300), (2, 8, 300)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape, bias, cpu_variant):
+    # up to 16 rows the forward is one ops.linear call (quantization and product composed
+    # in C++); it must give the bits of the two-op path that larger inputs take
+    from fp8linear import linear as linear_module
+
+    layer = FP8Linear.from_linear(nn.Linear(300, 136, bias=bias), **FUSED_SCHEMES[scheme])  # 136: a partial block
+    if layer.config.activations == "static":
+        layer.set_input_scale(0.05)
+    x = (torch.randn(shape) * 3).to(dtype)
+    with torch.no_grad():
+        fused = layer(x)
+        monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", 0)
+        two_ops = layer(x)
+    assert fused.dtype == dtype and fused.shape == (*shape[:-1], 136)
+    assert torch.equal(fused, two_ops)
+
+
+def test_the_fused_path_is_taken_up_to_16_rows(monkeypatch):
+    from fp8linear import ops
+
+    calls = []
+    original = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *args: calls.append(args[0].shape) or original(*args))
+    layer = FP8Linear.from_linear(nn.Linear(64, 32))
+    with torch.no_grad():
+        for rows in (1, 16, 17, 40):
+            layer(torch.randn(rows, 64))
+        layer(torch.randn(2, 8, 64))
+    assert calls == [(1, 64), (16, 64), (2, 8, 64)]
+    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()  # autograd keeps the two ops
+    assert len(calls) == 3
+
+
+def test_linear_op_checks_and_opcheck():
+    from fp8linear import ops
+
+    layer = FP8Linear.from_linear(nn.Linear(40, 24), weight_granularity="channel", activation_granularity="token")
+    x, w, s, b = torch.randn(3, 40), layer.weight, layer.weight_scale, layer.bias
+    with pytest.raises(ValueError, match="in_features=40"):
+        ops.linear(torch.randn(3, 41), w, s, b, None, 2, 1)
+    with pytest.raises(ValueError, match="activations must be"):
+        ops.linear(x, w, s, b, None, 3, 1)
+    with pytest.raises(ValueError, match="granularity must be"):
+        ops.linear(x, w, s, b, None, 2, 5)
+    with pytest.raises(ValueError, match="activation_scale is needed"):
+        ops.linear(x, w, s, b, None, 1, 0)
+    # test_schema would compare fp8 inputs with arithmetic torch lacks on the CPU (as for scaled_mm)
+    tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.fp8linear.linear.default, (x, w, s, b, None, 2, 1), test_utils=tests)
+    torch.library.opcheck(torch.ops.fp8linear.linear.default, (x.bfloat16().unsqueeze(0), w, s, None, torch.ones(()), 0, 0),
+                          test_utils=tests)

@@ -17,6 +17,11 @@ TORCH_LIBRARY(fp8linear, m) {
   // x.shape[:-1] + (ceil(cols / block_cols),)); block_rows > 1 needs a 2-D x (scale
   // [ceil(rows / block_rows), ceil(cols / block_cols)]). Returns (q, scale).
   m.def("quantize_fp8_blocks(Tensor x, Tensor? scale, ScalarType dtype, int block_rows, int block_cols) -> (Tensor, Tensor)");
+  // FP8Linear's forward as one op (ops_linear.cpp: the activation quantization, then
+  // scaled_mm, composed of the ops above for every device). x [..., K] float, weight
+  // [N, K] fp8, weight_scale () / [N, 1] / [ceil(N/128), ceil(K/128)], bias [N];
+  // activations 0 none / 1 static / 2 dynamic, granularity 0 tensor / 1 token / 2 group.
+  m.def("linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? activation_scale, int activations, int granularity) -> Tensor");
 }
 
 #ifdef FP8LINEAR_WITH_CUDA
