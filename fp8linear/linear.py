@@ -444,9 +444,10 @@ class FP8Linear(nn.Module):
             x2d = x if len(leading) == 1 else x.reshape(-1, in_features)
             out = _FP8LinearFunction.apply(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype)
             out = out if len(leading) == 1 else out.view(*leading, self.out_features)
-        elif in_features and x.numel() <= _FUSED_MAX_ROWS * in_features and not torch.compiler.is_compiling():
-            # decode-sized, eager: one op call (see _FUSED_MAX_ROWS; compiled graphs have no
-            # Python between the ops to save, and keep the two ops in view)
+        elif not torch.compiler.is_compiling() and in_features and x.numel() <= _FUSED_MAX_ROWS * in_features:
+            # decode-sized, eager: one op call (see _FUSED_MAX_ROWS). Compiled graphs have no
+            # Python between the ops to save and keep the two ops in view; the compile test
+            # comes first so that tracing never guards on the number of rows.
             out = ops.linear(x, weight, weight_scale, bias, activation_scale, _LINEAR_ACTIVATIONS[config.activations],
                              _LINEAR_GRANULARITIES[config.activation_granularity])
         else:

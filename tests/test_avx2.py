@@ -103,7 +103,9 @@ def test_subnormal_weights_with_denormals_flushed(m, kind, fmt, flush):
     assert torch.set_flush_denormal(flush) or not flush  # True: the CPU flushes from here on
     try:
         out = fp8linear.scaled_mm(a, w.t(), scale_a, one, out_dtype=torch.float32)
-        flushed_after = torch.set_flush_denormal(flush) and torch.tensor(1e-40).item() == 0.0
+        # DAZ restored: a denormal input (2^-149) still reads as zero after the call
+        smallest_denormal = torch.tensor([1], dtype=torch.int32).view(torch.float32)
+        flushed_after = (smallest_denormal * 2.0**40).item() == 0.0
     finally:
         torch.set_flush_denormal(False)
     assert flushed_after or not flush  # the kernel restored the thread's MXCSR
@@ -131,6 +133,36 @@ def test_nan_codes_in_some_weight_rows(m, k, kind):
     assert torch.equal(exact.isnan(), nan_columns.expand(m, 23))
     assert torch.equal(out.isnan(), exact.isnan())
     assert relative_error(out[:, ~nan_columns], exact[:, ~nan_columns]) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("blocked", [False, True])
+def test_weight_chunks(m, blocked):
+    # K = 4096: the dot kernel walks 64 weight rows (256 KiB) at a time against all rows;
+    # 130 rows = two whole chunks and a partial one of 2 (a remainder of its 4-row groups)
+    k, n = 4096, 130
+    granularity = ("group", "block") if blocked else ("row", "row")
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity=granularity[0])
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity=granularity[1])
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+    assert relative_error(out[:, 128:], reference.scaled_mm_float64(a, w[128:].t(), scale_a,
+                                                                    scale_w[1:].t() if blocked else scale_w[128:].t())) <= 1e-5
+
+
+def test_block_scales_far_below_one():
+    # the float32 route's block sums carry 2^-20 until folded: tiny scales (a checkpoint's)
+    # must not push the scaled sums into float32's denormals
+    m, k, n = 3, 256, 40
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
+    scale_a, scale_w = torch.full_like(scale_a, 2.0**-70), torch.full_like(scale_w, 2.0**-70)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
+    # the largest results near 2^-120, normal floats; a block sum still carrying 2^-20 when
+    # scaled would be near 2^-140, a denormal with ~9 bits left
+    assert 2.0**-126 < exact.abs().max() < 2.0**-115
+    assert relative_error(out, exact) <= 1e-5
 
 
 @pytest.mark.parametrize("m", [1, 4, 20])

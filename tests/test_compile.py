@@ -55,6 +55,16 @@ def test_the_fp8_ops_are_in_the_graph(scheme):
     assert (quantize_op in targets) == (scheme != "weight-only")
 
 
+def test_dynamic_rows_across_the_fused_size():
+    # eager forwards of up to 16 rows are one fused op call; traced ones keep the two ops,
+    # without a guard on the row count
+    layer = FP8Linear.from_linear(nn.Linear(64, 48), weight_granularity="channel", activation_granularity="token")
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows in (5, 40, 3):
+        x = torch.randn(rows, 64)
+        assert torch.equal(compiled(x), layer(x))
+
+
 def test_inductor_runs_fp8linear():
     """The default backend: inductor cannot fuse into the custom ops, so the numbers are the eager ones."""
     layer = FP8Linear.from_linear(nn.Linear(64, 48), weight_granularity="channel", activation_granularity="token")

@@ -161,7 +161,7 @@ def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape
     x = (torch.randn(shape) * 3).to(dtype)
     with torch.no_grad():
         fused = layer(x)
-        monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", 0)
+        monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", -1)  # -1: 0 rows too
         two_ops = layer(x)
     assert fused.dtype == dtype and fused.shape == (*shape[:-1], 136)
     assert torch.equal(fused, two_ops)
@@ -196,6 +196,9 @@ def test_linear_op_checks_and_opcheck():
         ops.linear(x, w, s, b, None, 2, 5)
     with pytest.raises(ValueError, match="activation_scale is needed"):
         ops.linear(x, w, s, b, None, 1, 0)
+    empty = FP8Linear.from_linear(nn.Linear(0, 5))  # K = 0: the bias
+    out = ops.linear(torch.randn(2, 3, 0), empty.weight, empty.weight_scale, empty.bias, None, 2, 0)
+    assert out.shape == (2, 3, 5) and torch.equal(out, empty.bias.expand(2, 3, 5))
     # test_schema would compare fp8 inputs with arithmetic torch lacks on the CPU (as for scaled_mm)
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.fp8linear.linear.default, (x, w, s, b, None, 2, 1), test_utils=tests)

@@ -5,6 +5,7 @@
 // layers at M = 1 (AMD EPYC Zen 3) FP8Linear took ~40 us a call on a 64 x 64 layer, of
 // which ~16 us were the two calls themselves; bf16 nn.Linear took ~11 us.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include "../kernels.h"
@@ -58,7 +59,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                     "linear: granularity must be 0 (tensor), 1 (token) or 2 (group), got ", granularity);
   TORCH_CHECK_VALUE(activations == kActivationsDynamic || activation_scale.has_value(),
                     "linear: activation_scale is needed unless activations are dynamic");
-  const at::Tensor x2d = x.reshape({-1, x.size(-1)});
+  // rows counted, not inferred: reshape cannot infer -1 when K = 0
+  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  const at::Tensor x2d = x.reshape({rows, x.size(-1)});
   at::Tensor a, scale_a;
   if (activations == kActivationsNone) {
     a = x2d;

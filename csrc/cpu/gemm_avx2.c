@@ -22,8 +22,9 @@
  * masked, which puts its sign on float32's and its 7 magnitude bits on the low exponent
  * and top mantissa bits: the lane reads the value times 2^-120 exactly, e4m3 subnormals as
  * float32 denormals. The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values
- * times 2^100 stay below 2^116) and each sum is multiplied by 2^20 at the end (exact), so
- * every product is at least 2^-45, far from float32's denormals. Denormal weights must not
+ * times 2^100 stay below 2^116) and each sum is multiplied by 2^20 at the end (exact;
+ * block-wise calls: each block's sum, before its scales), so every nonzero product is at
+ * least 2^-45, far from float32's denormals. Denormal weights must not
  * be read as zero: the kernel clears MXCSR's DAZ bit while it runs and restores it (Zen 3
  * multiplies denormals at full speed). On a Zen 3 vcvtph2ps and the float16 route's
  * shuffles compete with the FMAs for the same two pipes: 32 codes against one activation
@@ -189,16 +190,19 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
   }
 }
 
-/* Block-wise: the sums of one block of 128 k, scaled, join the totals; the sums restart. */
+/* Block-wise: the sums of one block of 128 k, scaled, join the totals; the sums restart.
+ * The float32 route's sums are first brought back from their 2^-20 (exact), so that tiny
+ * scales cannot push a scaled block sum into float32's denormals. */
 AVX2_TARGET ALWAYS_INLINE void dot_fold_block(__m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS],
                                               float total[DOT_ROWS][DOT_COLS][8], const float* const* scale_a,
                                               const float* const* scale_b, int64_t at_a, int64_t at_b,
-                                              const int ROWS, const int COLS) {
+                                              const int ROWS, const int COLS, const int FLOAT32_ROUTE) {
   const int PARTS = ROWS == 1 ? 2 : 1;
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
       const __m256 scale = _mm256_set1_ps(scale_a[r][at_a] * scale_b[c][at_b]);
-      const __m256 sum = PARTS == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][PARTS - 1]) : acc[r][c][0];
+      __m256 sum = PARTS == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][PARTS - 1]) : acc[r][c][0];
+      if (FLOAT32_ROUTE) sum = _mm256_mul_ps(sum, _mm256_set1_ps(FLOAT32_ROUTE_SUM_FACTOR));
       _mm256_store_ps(total[r][c], _mm256_fmadd_ps(sum, scale, _mm256_load_ps(total[r][c])));
       for (int h = 0; h < PARTS; ++h) acc[r][c][h] = _mm256_setzero_ps();
     }
@@ -239,19 +243,19 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
 #define DOT_STEP(K0, TAIL) \
   dot_step(weights, weight_stride, k, rows, K0, acc, &nan_max, ROWS, COLS, TAIL, FORMAT, FLOAT32_ROUTE)
   int64_t k0 = 0, kb = 0;
-  /* 128 k at a time in straight code (FP8_DOT_UNROLL) */
+  /* 128 k at a time in straight code (for block-wise calls one block, folded after it) */
   for (; k0 + FP8_SCALE_BLOCK <= k_full; k0 += FP8_SCALE_BLOCK, ++kb) {
     DOT_STEP(k0, 0);
     DOT_STEP(k0 + 32, 0);
     DOT_STEP(k0 + 64, 0);
     DOT_STEP(k0 + 96, 0);
-    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS);
+    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS, FLOAT32_ROUTE);
   }
   /* the rest: less than 128 k (for block-wise calls the last, partial block) */
   if (k0 < k_padded) {
     for (; k0 < k_full; k0 += 32) DOT_STEP(k0, 0);
     if (k0 < k_padded) DOT_STEP(k0, 1);
-    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS);
+    if (BLOCKED) dot_fold_block(acc, total, scale_a, scale_b, kb * step_a, kb * step_b, ROWS, COLS, FLOAT32_ROUTE);
   }
 #undef DOT_STEP
   float sums[DOT_ROWS][DOT_COLS];
@@ -259,7 +263,7 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
     for (int c = 0; c < COLS; ++c) {
       const __m256 sum = PARTS == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][PARTS - 1]) : acc[r][c][0];
       sums[r][c] = sum8(BLOCKED ? _mm256_load_ps(total[r][c]) : sum);
-      if (FLOAT32_ROUTE) sums[r][c] *= FLOAT32_ROUTE_SUM_FACTOR;
+      if (FLOAT32_ROUTE && !BLOCKED) sums[r][c] *= FLOAT32_ROUTE_SUM_FACTOR; /* blocked: in the fold */
     }
   }
   if (FLOAT32_ROUTE && _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_max, _mm256_set1_epi8(0x7F))) != 0) {
