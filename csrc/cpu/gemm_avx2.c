@@ -154,8 +154,8 @@ enum { DOT_PARTS = 2 };
 AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t weight_stride, int64_t k,
                                         const float* const* activations, int64_t k0,
                                         __m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS], __m256i* nan_max,
-                                        const int ROWS, const int COLS, const int TAIL, const fp8_format FORMAT,
-                                        const int FLOAT32_ROUTE) {
+                                        const int ROWS, const int COLS, const int TAIL, const int BLOCKED,
+                                        const fp8_format FORMAT, const int FLOAT32_ROUTE) {
   const int PARTS = ROWS == 1 ? 2 : 1;
   if (!TAIL) {
     /* the same bytes of the next block's rows (harmless past the end: a prefetch never
@@ -177,6 +177,23 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
       const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
       *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
     }
+    if (FLOAT32_ROUTE && !BLOCKED) {
+      /* 16 codes at a time: two widened vectors live, not four. With 8 sums and the
+       * route's constants, four left the 4 x 2 block's loop 14 stack accesses per 128 k,
+       * two leave 2 (4096 x 4096 per-channel, M = 16 4.59-4.75 -> 4.35-4.46 ms, M = 256
+       * 72.1-72.2 -> 70.0-71.0 ms); block-wise calls, whose fold takes registers too, ran
+       * 4-7% slower this way and keep the four */
+      for (int half = 0; half < 2; ++half) {
+        const __m256 w0 = widen8_float32_route(row + 16 * half), w1 = widen8_float32_route(row + 16 * half + 8);
+        for (int r = 0; r < ROWS; ++r) {
+          const float* a = activations[r] + k0 + 16 * half;
+          __m256* sum = acc[r][c];
+          sum[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a), w0, sum[0]);
+          sum[PARTS - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), w1, sum[PARTS - 1]);
+        }
+      }
+      continue;
+    }
     __m256 w[4];
     widen32(row, w, FORMAT, FLOAT32_ROUTE);
     for (int r = 0; r < ROWS; ++r) {
@@ -192,7 +209,8 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
 
 /* Block-wise: the sums of one block of 128 k, scaled, join the totals; the sums restart.
  * The float32 route's sums are first brought back from their 2^-20 (exact), so that tiny
- * scales cannot push a scaled block sum into float32's denormals. */
+ * scales cannot push a scaled block sum into float32's denormals. (Not inlined, as a call
+ * per block, it made block-wise calls 1.4-1.7x slower: 4096 x 4096, M = 1-256.) */
 AVX2_TARGET ALWAYS_INLINE void dot_fold_block(__m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS],
                                               float total[DOT_ROWS][DOT_COLS][8], const float* const* scale_a,
                                               const float* const* scale_b, int64_t at_a, int64_t at_b,
@@ -241,7 +259,7 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
   }
   const int64_t k_full = k & ~(int64_t)31;
 #define DOT_STEP(K0, TAIL) \
-  dot_step(weights, weight_stride, k, rows, K0, acc, &nan_max, ROWS, COLS, TAIL, FORMAT, FLOAT32_ROUTE)
+  dot_step(weights, weight_stride, k, rows, K0, acc, &nan_max, ROWS, COLS, TAIL, BLOCKED, FORMAT, FLOAT32_ROUTE)
   int64_t k0 = 0, kb = 0;
   /* 128 k at a time in straight code (for block-wise calls one block, folded after it) */
   for (; k0 + FP8_SCALE_BLOCK <= k_full; k0 += FP8_SCALE_BLOCK, ++kb) {
