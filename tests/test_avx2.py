@@ -188,12 +188,14 @@ def test_extreme_products(m, activation_fmt, magnitude):
     assert relative_error(out, exact) <= 1e-6
 
 
-@pytest.mark.parametrize("m", [1, 6, 20, 40])
+# m = 1, 2, 3, 4 (6 and 7 end in 2 and 3) rows per dot block; N = 141 leaves a last
+# column for each block of rows, so every dot block shape runs block-wise
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 20, 40])
 @pytest.mark.parametrize("k", [300, 600])  # 600: panels of 256 k, blocks of 128 across them
 @pytest.mark.parametrize("fmt", FP8_DTYPES)  # e4m3fn: the dot kernel at every M; e5m2: the panel kernel above 16
 def test_block_wise_scales(m, k, fmt):
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", dtype=fmt)
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(140, k), granularity="block", dtype=fmt)
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(141, k), granularity="block", dtype=fmt)
     scale_w = scale_w.clone()
     scale_w[:, 1] *= 2.0**10  # a kernel applying one scale to all of K is far off
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)

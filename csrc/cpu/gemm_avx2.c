@@ -177,12 +177,13 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
       const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
       *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
     }
-    if (FLOAT32_ROUTE && !BLOCKED) {
+    if (FLOAT32_ROUTE) {
       /* 16 codes at a time: two widened vectors live, not four. With 8 sums and the
        * route's constants, four left the 4 x 2 block's loop 14 stack accesses per 128 k,
        * two leave 2 (4096 x 4096 per-channel, M = 16 4.59-4.75 -> 4.35-4.46 ms, M = 256
-       * 72.1-72.2 -> 70.0-71.0 ms); block-wise calls, whose fold takes registers too, ran
-       * 4-7% slower this way and keep the four */
+       * 72.1-72.2 -> 70.0-71.0 ms). Block-wise calls ran 4-7% slower this way while their
+       * blocks were inlined into one large function; as functions of their own (below,
+       * DOT_F32_FN) they gain from it too */
       for (int half = 0; half < 2; ++half) {
         const __m256 w0 = widen8_float32_route(row + 16 * half), w1 = widen8_float32_route(row + 16 * half + 8);
         for (int r = 0; r < ROWS; ++r) {
@@ -210,13 +211,16 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
 /* Block-wise: the sums of one block of 128 k, scaled, join the totals; the sums restart.
  * The float32 route's sums are first brought back from their 2^-20 (exact), so that tiny
  * scales cannot push a scaled block sum into float32's denormals. (Not inlined, as a call
- * per block, it made block-wise calls 1.4-1.7x slower: 4096 x 4096, M = 1-256.) At M = 256
- * block-wise calls take ~15-20% longer than per-channel ones, more than this fold's
- * operations explain: GCC 12 allocates the block-wise loop's registers worse (stack spills
- * and a register copy after most FMAs, which the per-channel loop mostly lacks). Two
- * rewrites measured slower (one thread, M = 256, N = 512, K = 4096, AMD EPYC Zen 3, 21.0 ms
- * as here): the scale products formed first and one broadcast-FMA per sum, 23.2-23.9 ms;
- * the products of 32 blocks at a time formed before the k loop, 31.6 ms. */
+ * per block, it made block-wise calls 1.4-1.7x slower: 4096 x 4096, M = 1-256.) Two
+ * rewrites of the fold measured slower (one thread, M = 256, N = 512, K = 4096, AMD EPYC
+ * Zen 3, 21.0 ms then): the scale products formed first and one broadcast-FMA per sum,
+ * 23.2-23.9 ms; the products of 32 blocks at a time formed before the k loop, 31.6 ms.
+ * What did help was register allocation: see DOT_F32_FN. Measured after it (19.0-19.2 ms
+ * as here; 16.4-16.5 with the fold left out, wrong results, so the fold costs ~15%): each
+ * block's 8 sums reduced to one vector (hadd tree) and scaled with one FMA, 19.0-19.3; the
+ * scale products built as a vector and broadcast from memory or by vpermps, 20.7-21.3; the
+ * activation scales (times 2^20) gathered into a table per call, 18.4-18.5, not kept for
+ * its bound on K and the overflow of scales above 2^107 it would need to handle. */
 AVX2_TARGET ALWAYS_INLINE void dot_fold_block(__m256 acc[DOT_ROWS][DOT_COLS][DOT_PARTS],
                                               float total[DOT_ROWS][DOT_COLS][8], const float* const* scale_a,
                                               const float* const* scale_b, int64_t at_a, int64_t at_b,
@@ -299,17 +303,43 @@ AVX2_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const fl
     for (int c = 0; c < COLS; ++c) fp8_store_dot_sum(p, m0 + r, n0 + c, sums[r][c]);
 }
 
+/* The float32 route's blocks of rows as functions of their own. Inlined, all of them, into
+ * the one large compute function, GCC 12 allocated the block-wise loop's registers badly
+ * (a register copy after most FMAs, stack spills); alone, each block's loop keeps its sums
+ * and constants in registers. A call per block of 1-4 rows x 1-4 columns costs nothing
+ * measurable. Measured alternately, one thread, AMD EPYC Zen 3 (medians of 9, ms):
+ *   block-wise   M = 256, N = 512,  K = 4096:  20.9-23.0 -> 19.2-19.5
+ *   block-wise   M = 16,  N = 4096, K = 4096:  10.6      -> 9.6-9.7
+ *   per-channel  M = 256, N = 512,  K = 4096:  16.9-18.0 -> 16.5-16.6
+ *   per-channel  M = 16,  N = 4096, K = 4096:  8.44-8.45 -> 8.46-8.47 */
+#define DOT_F32_FN(ROWS, COLS, BLOCKED)                                                                          \
+  AVX2_TARGET __attribute__((noinline)) static void dot_f32_##ROWS##_##COLS##_##BLOCKED(                        \
+      const fp8_scaled_mm_params* p, const float* a, int64_t kp, int64_t m0, int64_t n) {                      \
+    dot_block(p, a, kp, m0, n, ROWS, COLS, BLOCKED, FP8_E4M3FN, 1);                                            \
+  }
+#define DOT_F32_FNS(ROWS, COLS) DOT_F32_FN(ROWS, COLS, 0) DOT_F32_FN(ROWS, COLS, 1)
+DOT_F32_FNS(1, 4)
+DOT_F32_FNS(1, 1)
+DOT_F32_FNS(2, 4)
+DOT_F32_FNS(2, 1)
+DOT_F32_FNS(3, 2)
+DOT_F32_FNS(3, 1)
+DOT_F32_FNS(4, 2)
+DOT_F32_FNS(4, 1)
+
 #define DOT_CALL(ROWS, COLS)                                                                 \
   do {                                                                                       \
-    if (blocked) dot_block(p, a, kp, m0, n, ROWS, COLS, 1, FORMAT, FLOAT32_ROUTE);    \
-    else dot_block(p, a, kp, m0, n, ROWS, COLS, 0, FORMAT, FLOAT32_ROUTE);            \
+    if (FLOAT32_ROUTE) {                                                                     \
+      if (blocked) dot_f32_##ROWS##_##COLS##_1(p, a, kp, m0, n);                              \
+      else dot_f32_##ROWS##_##COLS##_0(p, a, kp, m0, n);                                      \
+    } else if (blocked) dot_block(p, a, kp, m0, n, ROWS, COLS, 1, FORMAT, FLOAT32_ROUTE);    \
+    else dot_block(p, a, kp, m0, n, ROWS, COLS, 0, FORMAT, FLOAT32_ROUTE);                  \
   } while (0)
 
 /* 4 weight rows at a time against 1-2 activation rows, 2 against 3-4 (accumulators
  * and widened weights within the 16 vector registers) */
-#define DOT_ROW_BLOCKS(ROWS)                                                   \
+#define DOT_ROW_BLOCKS(ROWS, COLS)                                             \
   do {                                                                         \
-    const int COLS = (ROWS) <= 2 ? 4 : 2;                                      \
     for (; n + COLS <= chunk_end; n += COLS) DOT_CALL(ROWS, COLS);             \
     for (; n < chunk_end; ++n) DOT_CALL(ROWS, 1);                              \
   } while (0)
@@ -329,10 +359,10 @@ AVX2_TARGET ALWAYS_INLINE void dot_rows(const fp8_scaled_mm_params* p, const fp8
       const int64_t rows = m_end - m0 < DOT_ROWS ? m_end - m0 : DOT_ROWS;
       int64_t n = chunk_begin;
       switch (rows) {
-        case 4: DOT_ROW_BLOCKS(4); break;
-        case 3: DOT_ROW_BLOCKS(3); break;
-        case 2: DOT_ROW_BLOCKS(2); break;
-        default: DOT_ROW_BLOCKS(1); break;
+        case 4: DOT_ROW_BLOCKS(4, 2); break;
+        case 3: DOT_ROW_BLOCKS(3, 2); break;
+        case 2: DOT_ROW_BLOCKS(2, 4); break;
+        default: DOT_ROW_BLOCKS(1, 4); break;
       }
     }
   }
