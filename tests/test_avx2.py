@@ -1,8 +1,7 @@
 """The avx2 variant's kernels (csrc/cpu/gemm_avx2.c) at their boundaries, on any CPU with
-AVX2: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; every M for
-e4m3fn weights against fp8 activations, M <= 16 otherwise) and the panel kernel (M > 16 for
-e5m2 weights or float activations; panels of 256 k x 16 weight rows, blocks of 6 rows,
-tiles of 256 rows); both routes of the widening (every code, NaN, subnormals with
+AVX2: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; M <= 20 for
+e4m3fn weights against fp8 activations, M <= 16 otherwise) and the panel kernel (above;
+panels of 256 k x 16 weight rows, blocks of 6 rows, tiles of 256 rows); both routes of the widening (every code, NaN, subnormals with
 denormals flushed): the float32 route with its factors 2^100 and 2^20 and its NaN rows,
 the float16 route with its factor 256 multiplied back."""
 import itertools
@@ -18,8 +17,8 @@ from conftest import FLOAT_DTYPES, FP8_DTYPES, forced, forced_cpu_variant, relat
 pytestmark = pytest.mark.skipif("avx2" not in native().cpu_variants_supported(), reason="needs AVX2")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-DOT_ROWS = [1, 2, 3, 4, 5, 16]  # row blocks of 4 with 1-3 row tails; 16 the last dot size
-PANEL_ROWS = [17, 23, 40, 257]  # blocks of 6 with tails; 257: two tiles of rows
+DOT_ROWS = [1, 2, 3, 4, 5, 16, 20]  # row blocks of 4 with 1-3 row tails; 16 and 20 the last dot sizes
+PANEL_ROWS = [17, 21, 23, 40, 257]  # blocks of 6 with tails (e4m3fn against fp8 from 21); 257: two tiles of rows
 
 
 @pytest.fixture(autouse=True)
@@ -150,10 +149,11 @@ def test_weight_chunks(m, blocked):
                                                                     scale_w[1:].t() if blocked else scale_w[128:].t())) <= 1e-5
 
 
-def test_block_scales_far_below_one():
+@pytest.mark.parametrize("m", [3, 40])  # the dot kernel's float32 route; the panel kernel
+def test_block_scales_far_below_one(m):
     # the float32 route's block sums carry 2^-20 until folded: tiny scales (a checkpoint's)
     # must not push the scaled sums into float32's denormals
-    m, k, n = 3, 256, 40
+    k, n = 256, 40
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
     w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
     scale_a, scale_w = torch.full_like(scale_a, 2.0**-70), torch.full_like(scale_w, 2.0**-70)
@@ -165,7 +165,7 @@ def test_block_scales_far_below_one():
     assert relative_error(out, exact) <= 1e-5
 
 
-@pytest.mark.parametrize("m", [1, 4, 20])
+@pytest.mark.parametrize("m", [1, 4, 20, 40])  # 40: the panel kernel's float16 route
 @pytest.mark.parametrize("activation_fmt", FP8_DTYPES)
 @pytest.mark.parametrize("magnitude", ["smallest", "largest"])
 def test_extreme_products(m, activation_fmt, magnitude):
@@ -192,7 +192,7 @@ def test_extreme_products(m, activation_fmt, magnitude):
 # column for each block of rows, so every dot block shape runs block-wise
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 20, 40])
 @pytest.mark.parametrize("k", [300, 600])  # 600: panels of 256 k, blocks of 128 across them
-@pytest.mark.parametrize("fmt", FP8_DTYPES)  # e4m3fn: the dot kernel at every M; e5m2: the panel kernel above 16
+@pytest.mark.parametrize("fmt", FP8_DTYPES)  # the panel kernel at M = 40 (and e5m2 at 20)
 def test_block_wise_scales(m, k, fmt):
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", dtype=fmt)
     w, scale_w = fp8linear.quantize_fp8(torch.randn(141, k), granularity="block", dtype=fmt)

@@ -112,19 +112,24 @@ void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
  * the dot kernel (FP8_MM_FLOAT_DOT on the avx2 variant) and the panel kernel
  * (FP8_MM_AVX2_PANEL: panels of FP8_AVX2_KC k, a multiple of FP8_SCALE_BLOCK, tiles of at
  * most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes). The dot kernel takes
- * every M when fp8_avx2_float32_route (e4m3fn weights, fp8 activations): its float32 route
- * beats the panel kernel there at every size measured (2 threads, AMD EPYC Zen 3, ms dot /
- * panel: 4096 x 4096 M = 64 18.6 / 27.7, M = 256 74 / 103, M = 1024 288 / 424; 14336 x
- * 4096 M = 2048 2044 / 2966; 1536 x 576 M = 2048 39.6 / 45.5). Otherwise (the float16
- * route) up to FP8_AVX2_DOT_MAX_ROWS rows: there the panel kernel, which widens and
- * transposes each weight once per tile of rows, wins from M ~ 24 (4096 x 4096 from memory,
- * ms dot / panel, before the float32 route: M = 8 5.4 / 8.5, M = 16 10.3-11.5 / 9.3-12.1,
- * M = 24 14.2-14.5 / 11.2-12.0; 1536 x 576, M = 16 0.68 / 0.80; e5m2 weights at M = 64
- * 19.2 / 14.1 with the float32 route in place). The dot kernel walks the weights in
- * chunks of about FP8_AVX2_DOT_CHUNK_BYTES, each against all of its rows, so that the
- * blocks of 4 rows after the first read the chunk from L2 (64 KiB to 1 MiB chunks: the
- * same within 5% at M = 64-1024 on 4096 x 4096). */
-enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256, FP8_AVX2_DOT_CHUNK_BYTES = 256 * 1024 };
+ * e4m3fn weights against fp8 activations (fp8_avx2_float32_route) up to
+ * FP8_AVX2_FLOAT32_DOT_MAX_ROWS rows, and the rest (the float16 route) up to
+ * FP8_AVX2_DOT_MAX_ROWS; the panel kernel, which widens and transposes each weight once per
+ * tile of rows, takes larger M. One thread, AMD EPYC Zen 3, built with the extension's
+ * flags, 4096 x 4096 from memory, ms dot / panel, e4m3fn against fp8, per-channel
+ * (block-wise): M = 16 8.35 / 9.89 (9.62 / 9.99), M = 20 10.7 / 11.7 (12.1 / 12.3), M = 24
+ * 12.7 / 12.6 (14.8 / 12.9), M = 32 16.5 / 16.3 (19.0 / 16.8), M = 64 33.1 / 27.3 (39-40 /
+ * 28-30); e5m2 (without -fwrapv) M = 8 4.72 / 6.44, M = 12 7.06 / 7.19, M = 16 9.38 /
+ * 9.07. Through
+ * scaled_mm (2 threads), the panel against the dot kernel at M = 256: 4096 x 4096 67.8 ->
+ * 52.0 ms per-channel, 78.5-79.2 -> 56.9-57.3 block-wise; 1536 x 576 4.39 -> 2.78, 5.04 ->
+ * 2.95. (Until the panel's accumulators became named variables, the float32 route took
+ * every M: the array GCC kept a stack copy of under -fwrapv made the e4m3fn panel run at
+ * half speed.) The dot kernel walks the
+ * weights in chunks of about FP8_AVX2_DOT_CHUNK_BYTES, each against all of its rows, so
+ * that the blocks of 4 rows after the first read the chunk from L2 (64 KiB to 1 MiB
+ * chunks: the same within 5% at M = 64-1024 on 4096 x 4096). */
+enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_FLOAT32_DOT_MAX_ROWS = 20, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256, FP8_AVX2_DOT_CHUNK_BYTES = 256 * 1024 };
 /* Whether the avx2 dot kernel runs this call by its float32 route (see gemm_avx2.c). */
 int fp8_avx2_float32_route(const fp8_scaled_mm_params* p);
 int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
