@@ -1,8 +1,8 @@
 """The avx2 variant's kernels (csrc/cpu/gemm_avx2.c) at their boundaries, on any CPU with
 AVX2: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; M <= 20 for
 e4m3fn weights against fp8 activations, M <= 16 otherwise) and the panel kernel (above;
-panels of 256 k x 16 weight rows, blocks of 6 rows, tiles of 256 rows); both routes of the widening (every code, NaN, subnormals with
-denormals flushed): the float32 route with its factors 2^100 and 2^20 and its NaN rows,
+panels of 256 k x 16 weight rows, blocks of 6 rows, tiles of 256 rows); both routes of the
+widening (every code, NaN, subnormals with denormals flushed): the float32 route with its factors 2^100 and 2^20 and its NaN rows,
 the float16 route with its factor 256 multiplied back."""
 import itertools
 

@@ -120,15 +120,14 @@ void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
  * (block-wise): M = 16 8.35 / 9.89 (9.62 / 9.99), M = 20 10.7 / 11.7 (12.1 / 12.3), M = 24
  * 12.7 / 12.6 (14.8 / 12.9), M = 32 16.5 / 16.3 (19.0 / 16.8), M = 64 33.1 / 27.3 (39-40 /
  * 28-30); e5m2 (without -fwrapv) M = 8 4.72 / 6.44, M = 12 7.06 / 7.19, M = 16 9.38 /
- * 9.07. Through
- * scaled_mm (2 threads), the panel against the dot kernel at M = 256: 4096 x 4096 67.8 ->
- * 52.0 ms per-channel, 78.5-79.2 -> 56.9-57.3 block-wise; 1536 x 576 4.39 -> 2.78, 5.04 ->
- * 2.95. (Until the panel's accumulators became named variables, the float32 route took
- * every M: the array GCC kept a stack copy of under -fwrapv made the e4m3fn panel run at
- * half speed.) The dot kernel walks the
- * weights in chunks of about FP8_AVX2_DOT_CHUNK_BYTES, each against all of its rows, so
- * that the blocks of 4 rows after the first read the chunk from L2 (64 KiB to 1 MiB
- * chunks: the same within 5% at M = 64-1024 on 4096 x 4096). */
+ * 9.07. Through scaled_mm (2 threads), the panel against the dot kernel at M = 256:
+ * 4096 x 4096 67.8 -> 52.0 ms per-channel, 78.5-79.2 -> 56.9-57.3 block-wise; 1536 x 576
+ * 4.39 -> 2.78, 5.04 -> 2.95. (Until the panel's accumulators became named variables, the
+ * float32 route took every M: the array GCC kept a stack copy of under -fwrapv made the
+ * e4m3fn panel run at half speed.) The dot kernel walks the weights in chunks of about
+ * FP8_AVX2_DOT_CHUNK_BYTES, each against all of its rows, so that the blocks of 4 rows
+ * after the first read the chunk from L2 (64 KiB to 1 MiB chunks: the same within 5% at
+ * M = 64-1024 on 4096 x 4096). */
 enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_FLOAT32_DOT_MAX_ROWS = 20, FP8_AVX2_KC = 256, FP8_AVX2_TILE_M = 256, FP8_AVX2_DOT_CHUNK_BYTES = 256 * 1024 };
 /* Whether the avx2 dot kernel runs this call by its float32 route (see gemm_avx2.c). */
 int fp8_avx2_float32_route(const fp8_scaled_mm_params* p);

@@ -99,16 +99,11 @@ AVX2_TARGET ALWAYS_INLINE __m256 widen8_float32_route(const uint8_t* row) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(lanes, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
 
-/* The 32 codes at row[0..32) -> w[0..4) = codes 0..8, 8..16, 16..24, 24..32: the float32
- * route when FLOAT32_ROUTE, else the float16 route (in-lane unpacks leave the float16
- * route's codes in the order 0..8, 16..24, 8..16, 24..32: its w[1] and w[2] are swapped
- * back here, which costs nothing). */
-AVX2_TARGET ALWAYS_INLINE void widen32(const uint8_t* row, __m256 w[4], const fp8_format FORMAT,
-                                       const int FLOAT32_ROUTE) {
-  if (FLOAT32_ROUTE) {
-    for (int j = 0; j < 4; ++j) w[j] = widen8_float32_route(row + 8 * j);
-    return;
-  }
+/* The 32 codes at row[0..32) -> w[0..4) = codes 0..8, 8..16, 16..24, 24..32 by the float16
+ * route (in-lane unpacks leave the codes in the order 0..8, 16..24, 8..16, 24..32: w[1]
+ * and w[2] are swapped back here, which costs nothing). The float32 route widens 16 codes
+ * at a time in dot_step. */
+AVX2_TARGET ALWAYS_INLINE void widen32(const uint8_t* row, __m256 w[4], const fp8_format FORMAT) {
   const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
   /* e4m3fn: half16's mask clears the low byte, so it may hold a copy of the code (no zero
    * register needed); e5m2 takes its float16 as it is */
@@ -180,8 +175,6 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
     if (FLOAT32_ROUTE) {
       const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
       *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
-    }
-    if (FLOAT32_ROUTE) {
       /* 16 codes at a time: two widened vectors live, not four. With 8 sums and the
        * route's constants, four left the 4 x 2 block's loop 14 stack accesses per 128 k,
        * two leave 2 (4096 x 4096 per-channel, M = 16 4.59-4.75 -> 4.35-4.46 ms, M = 256
@@ -200,7 +193,7 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
       continue;
     }
     __m256 w[4];
-    widen32(row, w, FORMAT, FLOAT32_ROUTE);
+    widen32(row, w, FORMAT);
     for (int r = 0; r < ROWS; ++r) {
       const float* a = activations[r] + k0;
       __m256* sum = acc[r][c];
