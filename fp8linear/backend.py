@@ -71,21 +71,30 @@ def _user_stacklevel() -> int:
     return level
 
 
+# Devices whose path warn_once_if_not_native has settled (warned about, or native): FP8Linear's
+# forward takes its fast path only for inputs on these, so every path still warns once.
+_settled: set[torch.device] = set()
+
+
 def warn_once_if_not_native(device: torch.device) -> None:
     """Warn the first time a non-native path runs, naming it and why."""
     if torch.compiler.is_compiling():  # traced code has already warned in eager mode, or will not need to
         return
     if device.type == "cpu" and CPU in _warned:  # the common case, once per forward: no device parsing
+        _settled.add(device)
         return
     if device.type == "meta":  # shapes only: no kernel runs
         return
     path = backend(device)
     if path == CUDA_FP8 or path in _warned:
+        _settled.add(device)
         return
     with _warned_lock:
         if path in _warned:
+            _settled.add(device)
             return
         _warned.add(path)
+    _settled.add(device)
     detail = f" ({cpu_kernel_variant()} kernels)" if path == CPU else ""
     warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning,
                   stacklevel=_user_stacklevel())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import threading
 import weakref
@@ -92,6 +93,10 @@ _AUTOCAST_DEVICES = frozenset(("cpu", "cuda"))  # torch.is_autocast_enabled refu
 _FUSED_MAX_ROWS = 16
 _LINEAR_ACTIVATIONS = ops.LINEAR_ACTIVATIONS
 _LINEAR_GRANULARITIES = ops.LINEAR_GRANULARITIES
+# FP8Linear's fast path (forward) reads fp8linear.backend's settled devices (the module by
+# import: fp8linear.backend, the package's attribute, is the function of that name).
+_backend = importlib.import_module(".backend", __package__)
+_is_compiling = torch.compiler.is_compiling
 _FROZEN_WEIGHT = ("FP8Linear's weight is fp8 and frozen: gradients for it are not supported (set "
                   "weight.requires_grad = False). Train adapters such as LoRA on top of the layer, which "
                   "get input gradients, or keep the layer an nn.Linear to train it.")
@@ -259,7 +264,7 @@ class FP8Linear(nn.Module):
             self.register_buffer("input_scale", torch.full((), math.nan, dtype=torch.float32, **factory))
         else:
             self.input_scale = None
-        self._input_scale_ready = False
+        self._set_fast_path(ready=False)
         # weight-only layers multiply by this instead of an activation scale; a buffer
         # follows the layer across devices, so forward allocates nothing for it
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, **factory), persistent=False)
@@ -353,6 +358,27 @@ class FP8Linear(nn.Module):
         """Whether a static layer has its input_scale (from calibration, loading or set_input_scale)."""
         return self._input_scale_ready
 
+    def _set_fast_path(self, ready: bool) -> None:
+        """What forward's fast path reads: fp8linear::linear's codes for this layer and,
+        through the flag, _fast_scale."""
+        config = self.config
+        self._linear_codes = (_LINEAR_ACTIVATIONS[config.activations], _LINEAR_GRANULARITIES[config.activation_granularity])
+        self._input_scale_ready = ready
+
+    @property
+    def _input_scale_ready(self) -> bool:
+        return self.__dict__["_scale_ready"]
+
+    @_input_scale_ready.setter
+    def _input_scale_ready(self, ready: bool) -> None:
+        # _fast_scale: the buffer forward's fast path passes as activation scale ("" for
+        # none: dynamic activations), or None while a static layer waits for its scale
+        # (no fast path: the full one raises)
+        self.__dict__["_scale_ready"] = ready
+        activations = self.config.activations
+        self.__dict__["_fast_scale"] = ("input_scale" if ready else None) if activations == "static" else (
+            "unit_scale" if activations == "none" else "")
+
     def _check_loaded_state(self, state_dict, prefix, *args):
         for name in ("weight_scale", "input_scale"):
             if prefix + name in state_dict:
@@ -395,6 +421,8 @@ class FP8Linear(nn.Module):
         data, dtype = state.pop("_fp8_weight_bytes")
         super().__setstate__(state)
         self._parameters = {"weight": nn.Parameter(data.view(dtype), requires_grad=False), **self._parameters}
+        # pickles from before the fast path kept the flag under its old name
+        self._set_fast_path(state.get("_scale_ready", state.get("_input_scale_ready", False)))
 
     def _fp8_state(self):
         yield "weight", self.weight
@@ -411,9 +439,21 @@ class FP8Linear(nn.Module):
         # 1.4 us of a 16.7 us call (64 x 64, M = 1, Intel Xeon with AMX).
         parameters, buffers = self._parameters, self._buffers
         weight, bias = parameters["weight"], parameters["bias"]
+        # The fast path: a decode-sized eager call whose device has had its path settled is
+        # one native call, which also makes the tests it needs (ops.linear_if_plain), or
+        # returns None for the full path below. In decode each layer's Python runs with cold
+        # caches (the weights streamed in between evict them): on SmolLM2's 192 x 576 layers
+        # at M = 1 (AMD EPYC Zen 3, 2 threads, cycling through 200 MB of layers) the full
+        # path took 44.9 us a call, this one 26.9, bf16 nn.Linear 27.9 (docs/design.md,
+        # forward, item 8).
+        in_features = self.in_features
+        if (not _is_compiling() and (scale_buffer := self._fast_scale) is not None and x.device in _backend._settled
+                and (out := ops.linear_if_plain(x, weight, buffers["weight_scale"], bias,
+                                                buffers[scale_buffer] if scale_buffer else None, *self._linear_codes,
+                                                _FUSED_MAX_ROWS)) is not None):
+            return out
         device = x.device
         warn_once_if_not_native(device)
-        in_features = self.in_features
         if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(f"input's last dimension must be in_features={in_features}, got shape {tuple(x.shape)}")
         if weight.requires_grad:
@@ -448,8 +488,7 @@ class FP8Linear(nn.Module):
             # decode-sized, eager: one op call (see _FUSED_MAX_ROWS). Compiled graphs have no
             # Python between the ops to save and keep the two ops in view; the compile test
             # comes first so that tracing never guards on the number of rows.
-            out = ops.linear(x, weight, weight_scale, bias, activation_scale, _LINEAR_ACTIVATIONS[config.activations],
-                             _LINEAR_GRANULARITIES[config.activation_granularity])
+            out = ops.linear(x, weight, weight_scale, bias, activation_scale, *self._linear_codes)
         else:
             x2d = x if len(leading) == 1 else x.reshape(-1, in_features)
             out = _product(x2d, weight, weight_scale, bias, activation_scale, config, x2d.dtype, x)

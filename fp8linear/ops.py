@@ -152,6 +152,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     return _linear_op(x, weight, weight_scale, bias, activation_scale, activations, granularity)
 
 
+def linear_if_plain(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    activation_scale: torch.Tensor | None, activations: int, granularity: int,
+                    max_rows: int) -> torch.Tensor | None:
+    """FP8Linear's fast path: :func:`linear` called from C++ through the dispatcher (~2 us
+    less than the boxed torch.ops call) for an input of at most ``max_rows`` rows that is a
+    plain float32/bfloat16/float16 CPU or CUDA tensor of the weight's in_features, with no
+    autograd to record, autocast or torch function mode on; None otherwise (the caller
+    takes its full path). Outside torch.compile only."""
+    return native().linear_if_plain(x, weight, weight_scale, bias, activation_scale, activations, granularity, max_rows)
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)

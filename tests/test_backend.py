@@ -26,6 +26,7 @@ def test_unknown_device_is_refused():
 
 def test_first_forward_warns_once_naming_the_path(monkeypatch):
     monkeypatch.setattr(backend_module, "_warned", set())
+    monkeypatch.setattr(backend_module, "_settled", set())  # forward's fast path skips settled devices
     layer = fp8linear.FP8Linear.from_linear(nn.Linear(8, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

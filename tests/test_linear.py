@@ -167,12 +167,29 @@ def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape
     assert torch.equal(fused, two_ops)
 
 
+def calls_of_fast_path(monkeypatch, calls: list) -> list:
+    """Appends to `calls` the input shape of each forward FP8Linear's fast path ran."""
+    from fp8linear import ops
+
+    original = ops.linear_if_plain
+
+    def counted(*args):
+        out = original(*args)
+        if out is not None:
+            calls.append(args[0].shape)
+        return out
+
+    monkeypatch.setattr(ops, "linear_if_plain", counted)
+    return calls
+
+
 def test_the_fused_path_is_taken_up_to_16_rows(monkeypatch):
     from fp8linear import ops
 
     calls = []
     original = ops.linear
     monkeypatch.setattr(ops, "linear", lambda *args: calls.append(args[0].shape) or original(*args))
+    calls_of_fast_path(monkeypatch, calls)
     layer = FP8Linear.from_linear(nn.Linear(64, 32))
     with torch.no_grad():
         for rows in (1, 16, 17, 40):
@@ -181,6 +198,93 @@ def test_the_fused_path_is_taken_up_to_16_rows(monkeypatch):
     assert calls == [(1, 64), (16, 64), (2, 8, 64)]
     layer(torch.randn(4, 64, requires_grad=True)).sum().backward()  # autograd keeps the two ops
     assert len(calls) == 3
+
+
+def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
+    # forward's fast path (one native call, fewest checks) must give what the full path
+    # gives, and leave to it whatever it does not handle: autocast, torch function modes,
+    # tensor subclasses, autograd, float64, wrong shapes, frozen-weight and missing-scale errors
+    from torch.overrides import TorchFunctionMode
+    from fp8linear import ops
+
+    calls = calls_of_fast_path(monkeypatch, [])
+    layer = FP8Linear.from_linear(nn.Linear(64, 32), weight_granularity="channel", activation_granularity="token")
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        layer(x)  # the first call on a device settles its path (and warns once)
+        calls.clear()
+        expected = layer(x)
+        assert calls == [(2, 64)]
+        calls.clear()
+        assert torch.equal(ops.linear(x, layer.weight, layer.weight_scale, layer.bias, None, 2, 1), expected)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == torch.bfloat16
+        assert layer(x.double()).dtype == torch.float64
+
+        class Recorder(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Recorder() as mode:
+            assert torch.equal(layer(x), expected)
+        assert "fp8linear.linear.default" in mode.seen
+
+        class Logged(torch.Tensor):
+            seen = []
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                cls.seen.append(str(func))
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        out = layer(x.as_subclass(Logged))
+        assert type(out) is Logged and "fp8linear.linear.default" in Logged.seen
+        with pytest.raises(ValueError, match="in_features=64"):
+            layer(torch.randn(2, 63))
+        with pytest.raises(ValueError, match="in_features=64, got shape \\(\\)"):
+            layer(torch.tensor(1.0))
+    assert calls == []
+    layer(x)  # grad mode, nothing requires grad: fast
+    assert len(calls) == 1
+    leaf = x.clone().requires_grad_()
+    layer(leaf).sum().backward()
+    assert leaf.grad is not None and len(calls) == 1
+    layer.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen"), torch.no_grad():
+        layer(x)
+    layer.weight.requires_grad_(False)
+
+    static = FP8Linear.from_linear(nn.Linear(64, 32), activations="static")
+    calls.clear()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="input_scale is not set"):
+            static(x)
+        static.set_input_scale(0.05)
+        static(x)
+        assert len(calls) == 1
+        static.clear_input_scale()
+        with pytest.raises(RuntimeError, match="input_scale is not set"):
+            static(x)
+
+
+def test_layers_pickled_before_the_fast_path_still_run():
+    # a pickle of FP8Linear made before the fast path has its readiness flag under the old
+    # attribute name and none of the fast path's fields
+    layer = FP8Linear.from_linear(nn.Linear(32, 16), activations="static")
+    layer.set_input_scale(0.1)
+    x = torch.randn(3, 32)
+    expected = layer(x)
+    state = layer.__getstate__()
+    state["_input_scale_ready"] = state.pop("_scale_ready")
+    del state["_fast_scale"], state["_linear_codes"]
+    old = FP8Linear.__new__(FP8Linear)
+    old.__setstate__(state)
+    assert old.input_scale_ready and torch.equal(old(x), expected)
 
 
 def test_linear_op_checks_and_opcheck():

@@ -1,6 +1,8 @@
 // The op schemas, declared once; each device file registers implementations.
 // Also a small Python module for introspection (CPU variants, what was built).
 #include <ATen/Parallel.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -23,6 +25,13 @@ TORCH_LIBRARY(fp8linear, m) {
   // activations 0 none / 1 static / 2 dynamic, granularity 0 tensor / 1 token / 2 group.
   m.def("linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? activation_scale, int activations, int granularity) -> Tensor");
 }
+
+namespace fp8linear {
+// Defined in ops_linear.cpp: fp8linear::linear through the dispatcher.
+at::Tensor linear_from_python(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& activation_scale,
+                              int64_t activations, int64_t granularity);
+}  // namespace fp8linear
 
 #ifdef FP8LINEAR_WITH_CUDA
 namespace fp8linear {
@@ -71,6 +80,35 @@ uint64_t read_bandwidth_probe(const at::Tensor& tensor) {
   return checksum;
 }
 
+// FP8Linear's fast path (forward): fp8linear::linear for a decode-sized eager call, from
+// Python without the boxed torch.ops call, or None where FP8Linear's full forward must run
+// instead: it raises the errors, converts float64 and autocast inputs, records autograd,
+// and lets tensor subclasses and torch function modes see the op. The tests are here, not
+// in Python, because in decode each layer's Python runs with cold caches (the weights
+// streamed in between evict them), where each test in Python cost ~0.3 us.
+std::optional<at::Tensor> linear_if_plain(pybind11::handle x_object, const at::Tensor& weight,
+                                          const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                                          const std::optional<at::Tensor>& activation_scale, int64_t activations,
+                                          int64_t granularity, int64_t max_rows) {
+  if (!THPVariable_CheckExact(x_object.ptr())) return std::nullopt;  // a subclass (its __torch_function__), or not a tensor
+  const at::Tensor& x = THPVariable_Unpack(x_object.ptr());
+  const int64_t in_features = weight.dim() == 2 ? weight.size(1) : -1;
+  const at::ScalarType dtype = x.scalar_type();
+  const c10::DeviceType device = x.device().type();
+  if (x.dim() == 0 || x.size(-1) != in_features || x.numel() > max_rows * in_features) return std::nullopt;
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
+  if (weight.requires_grad()) return std::nullopt;
+  if (c10::GradMode::is_enabled() && (x.requires_grad() || (bias.has_value() && bias->requires_grad()))) return std::nullopt;
+  if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return std::nullopt;
+  if (at::autocast::is_autocast_enabled(device) || at::impl::torch_function_mode_enabled()) return std::nullopt;
+  pybind11::gil_scoped_release no_gil;
+  // Nothing here needs autograd (tested above): below its dispatch keys the op's calls of
+  // quantize_fp8 and scaled_mm reach their kernels unboxed (the autograd-not-implemented
+  // fallback they get otherwise is boxed) and its views are plain ones. ~1.5 us a call.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return fp8linear::linear_from_python(x, weight, weight_scale, bias, activation_scale, activations, granularity);
+}
+
 bool cuda_built() {
 #ifdef FP8LINEAR_WITH_CUDA
   return true;
@@ -92,6 +130,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Why the AMX kernels are not used on this machine; empty if they are.");
   module.def("read_bandwidth_probe", &read_bandwidth_probe,
              "Read a contiguous CPU tensor once with all threads; returns a checksum (for benchmarks).");
+  module.def("linear_if_plain", &linear_if_plain,
+             "FP8Linear's fast path: torch.ops.fp8linear.linear without the boxed call, or None where the full "
+             "forward must run (subclass, autograd, autocast, torch function mode, float64, shape).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA
   fp8linear::register_cuda_python(module);

@@ -23,6 +23,8 @@ using QuantizeBlocksSignature = std::tuple<at::Tensor, at::Tensor>(const at::Ten
                                                                   at::ScalarType, int64_t, int64_t);
 using ScaledMmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const std::optional<at::Tensor>&, at::ScalarType);
+using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t);
 
 // The ops' handles, looked up once (after the library has registered them).
 const c10::TypedOperatorHandle<QuantizeSignature>& quantize_op() {
@@ -82,6 +84,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 }
 
 }  // namespace
+
+at::Tensor linear_from_python(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& activation_scale,
+                              int64_t activations, int64_t granularity) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fp8linear::linear", "").typed<LinearSignature>();
+  return op.call(x, weight, weight_scale, bias, activation_scale, activations, granularity);
+}
 
 TORCH_LIBRARY_IMPL(fp8linear, CompositeImplicitAutograd, m) { m.impl("linear", &linear); }
 
