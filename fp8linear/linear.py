@@ -264,7 +264,6 @@ class FP8Linear(nn.Module):
             self.register_buffer("input_scale", torch.full((), math.nan, dtype=torch.float32, **factory))
         else:
             self.input_scale = None
-        self._set_fast_path(ready=False)
         # weight-only layers multiply by this instead of an activation scale; a buffer
         # follows the layer across devices, so forward allocates nothing for it
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, **factory), persistent=False)
@@ -358,6 +357,18 @@ class FP8Linear(nn.Module):
         """Whether a static layer has its input_scale (from calibration, loading or set_input_scale)."""
         return self._input_scale_ready
 
+    @property
+    def config(self) -> FP8Config:
+        """The layer's FP8Config (a setter keeps what forward derives from it in step)."""
+        return self.__dict__["_config"]
+
+    @config.setter
+    def config(self, config: FP8Config) -> None:
+        if not isinstance(config, FP8Config):
+            raise TypeError(f"config must be an FP8Config, got {type(config).__name__}")
+        self.__dict__["_config"] = config
+        self._set_fast_path(self.__dict__.get("_scale_ready", False))
+
     def _set_fast_path(self, ready: bool) -> None:
         """What forward's fast path reads: fp8linear::linear's codes for this layer and,
         through the flag, _fast_scale."""
@@ -421,8 +432,10 @@ class FP8Linear(nn.Module):
         data, dtype = state.pop("_fp8_weight_bytes")
         super().__setstate__(state)
         self._parameters = {"weight": nn.Parameter(data.view(dtype), requires_grad=False), **self._parameters}
-        # pickles from before the fast path kept the flag under its old name
-        self._set_fast_path(state.get("_scale_ready", state.get("_input_scale_ready", False)))
+        # pickles from before the fast path kept the config and the flag under other names
+        if "config" in self.__dict__:
+            self.__dict__["_config"] = self.__dict__.pop("config")
+        self._set_fast_path(state.get("_scale_ready", self.__dict__.pop("_input_scale_ready", False)))
 
     def _fp8_state(self):
         yield "weight", self.weight

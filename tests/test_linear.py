@@ -160,6 +160,7 @@ def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape
         layer.set_input_scale(0.05)
     x = (torch.randn(shape) * 3).to(dtype)
     with torch.no_grad():
+        layer(x)  # settles the device's path: the next call takes the fast path where it applies
         fused = layer(x)
         monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", -1)  # -1: 0 rows too
         two_ops = layer(x)
@@ -272,6 +273,56 @@ def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
             static(x)
 
 
+def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = calls_of_fast_path(monkeypatch, [])
+    layer = FP8Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        layer(x)  # settles the device
+        calls.clear()
+        expected = layer(x)
+        with torch.inference_mode():
+            assert torch.equal(layer(x), expected)
+        assert len(calls) == 2
+
+        class Recorder(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Recorder() as mode:  # sees the ops the composite is made of, as on the full path
+            assert torch.equal(layer(x), expected)
+        assert "fp8linear.quantize_fp8.default" in mode.seen and "fp8linear.scaled_mm.default" in mode.seen
+        assert len(calls) == 2
+    # a scale that requires grad under grad mode: the full path's output records it
+    layer.weight_scale.requires_grad_(True)
+    out = layer(x)
+    assert out.requires_grad and len(calls) == 2
+    layer.weight_scale.requires_grad_(False)
+    with torch.no_grad():
+        empty = FP8Linear.from_linear(nn.Linear(0, 5))  # K = 0: the full path, as before
+        assert torch.equal(empty(torch.randn(2, 0)), empty.bias.expand(2, 5))
+    assert len(calls) == 2
+
+
+def test_reassigning_the_config_keeps_the_fast_path_in_step():
+    layer = FP8Linear.from_linear(nn.Linear(40, 24), weight_granularity="channel", activation_granularity="token")
+    weight_only = FP8Linear.from_fp8(layer.weight, layer.weight_scale, bias=layer.bias,
+                                     weight_granularity="channel", activations="none")
+    layer.config = weight_only.config
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        assert torch.equal(layer(x), weight_only(x))
+    with pytest.raises(TypeError, match="FP8Config"):
+        layer.config = {"activations": "none"}
+
+
 def test_layers_pickled_before_the_fast_path_still_run():
     # a pickle of FP8Linear made before the fast path has its readiness flag under the old
     # attribute name and none of the fast path's fields
@@ -281,6 +332,7 @@ def test_layers_pickled_before_the_fast_path_still_run():
     expected = layer(x)
     state = layer.__getstate__()
     state["_input_scale_ready"] = state.pop("_scale_ready")
+    state["config"] = state.pop("_config")
     del state["_fast_scale"], state["_linear_codes"]
     old = FP8Linear.__new__(FP8Linear)
     old.__setstate__(state)

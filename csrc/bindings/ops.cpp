@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -83,30 +85,47 @@ uint64_t read_bandwidth_probe(const at::Tensor& tensor) {
 // FP8Linear's fast path (forward): fp8linear::linear for a decode-sized eager call, from
 // Python without the boxed torch.ops call, or None where FP8Linear's full forward must run
 // instead: it raises the errors, converts float64 and autocast inputs, records autograd,
-// and lets tensor subclasses and torch function modes see the op. The tests are here, not
-// in Python, because in decode each layer's Python runs with cold caches (the weights
-// streamed in between evict them), where each test in Python cost ~0.3 us.
+// and lets tensor subclasses, torch function modes and dispatch modes see what they see
+// there. The tests are here, not in Python, because in decode each layer's Python runs
+// with cold caches (the weights streamed in between evict them), where each test in
+// Python cost ~0.3 us.
 std::optional<at::Tensor> linear_if_plain(pybind11::handle x_object, const at::Tensor& weight,
                                           const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& activation_scale, int64_t activations,
                                           int64_t granularity, int64_t max_rows) {
+  HANDLE_TH_ERRORS  // as on the torch.ops path: C++ errors and warnings become Python ones
   if (!THPVariable_CheckExact(x_object.ptr())) return std::nullopt;  // a subclass (its __torch_function__), or not a tensor
   const at::Tensor& x = THPVariable_Unpack(x_object.ptr());
-  const int64_t in_features = weight.dim() == 2 ? weight.size(1) : -1;
+  const int64_t in_features = weight.dim() == 2 ? weight.size(1) : 0;
   const at::ScalarType dtype = x.scalar_type();
   const c10::DeviceType device = x.device().type();
-  if (x.dim() == 0 || x.size(-1) != in_features || x.numel() > max_rows * in_features) return std::nullopt;
+  // K = 0 takes the full path, as there
+  if (in_features <= 0 || x.dim() == 0 || x.size(-1) != in_features || x.numel() > max_rows * in_features) return std::nullopt;
   if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
-  if (weight.requires_grad()) return std::nullopt;
-  if (c10::GradMode::is_enabled() && (x.requires_grad() || (bias.has_value() && bias->requires_grad()))) return std::nullopt;
   if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return std::nullopt;
-  if (at::autocast::is_autocast_enabled(device) || at::impl::torch_function_mode_enabled()) return std::nullopt;
+  // Keys a thread includes beyond the defaults (BackendSelect, ADInplaceOrView): autocast,
+  // dispatch modes (Python), functorch transforms; the full path's torch.ops call is what
+  // those expect to see
+  if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
+      c10::impl::dispatch_mode_enabled() ||
+      at::impl::torch_function_mode_enabled() || at::autocast::is_autocast_enabled(device)) {
+    return std::nullopt;
+  }
+  const bool grad_mode = c10::GradMode::is_enabled();
+  const auto plain = [grad_mode](const at::Tensor& t) {  // no __torch_dispatch__ subclass, no autograd to record
+    return !t.defined() || (!t.key_set().has(c10::DispatchKey::Python) && !(grad_mode && t.requires_grad()));
+  };
+  if (weight.requires_grad() || !plain(x) || !plain(weight) || !plain(weight_scale) ||
+      (bias.has_value() && !plain(*bias)) || (activation_scale.has_value() && !plain(*activation_scale))) {
+    return std::nullopt;
+  }
   pybind11::gil_scoped_release no_gil;
   // Nothing here needs autograd (tested above): below its dispatch keys the op's calls of
   // quantize_fp8 and scaled_mm reach their kernels unboxed (the autograd-not-implemented
   // fallback they get otherwise is boxed) and its views are plain ones. ~1.5 us a call.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   return fp8linear::linear_from_python(x, weight, weight_scale, bias, activation_scale, activations, granularity);
+  END_HANDLE_TH_ERRORS_PYBIND
 }
 
 bool cuda_built() {
