@@ -80,21 +80,16 @@ def warn_once_if_not_native(device: torch.device) -> None:
     """Warn the first time a non-native path runs, naming it and why."""
     if torch.compiler.is_compiling():  # traced code has already warned in eager mode, or will not need to
         return
-    if device.type == "cpu" and CPU in _warned:  # the common case, once per forward: no device parsing
-        _settled.add(device)
-        return
     if device.type == "meta":  # shapes only: no kernel runs
         return
-    path = backend(device)
-    if path == CUDA_FP8 or path in _warned:
-        _settled.add(device)
-        return
-    with _warned_lock:
-        if path in _warned:
-            _settled.add(device)
-            return
-        _warned.add(path)
+    if not (device.type == "cpu" and CPU in _warned):  # the common case, once per forward: no device parsing
+        path = backend(device)
+        if path != CUDA_FP8 and path not in _warned:
+            with _warned_lock:
+                first = path not in _warned
+                _warned.add(path)
+            if first:
+                detail = f" ({cpu_kernel_variant()} kernels)" if path == CPU else ""
+                warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning,
+                              stacklevel=_user_stacklevel())
     _settled.add(device)
-    detail = f" ({cpu_kernel_variant()} kernels)" if path == CPU else ""
-    warnings.warn(f"fp8linear: using the '{path}' path{detail}: {_EXPLANATIONS[path]}.", FP8PathWarning,
-                  stacklevel=_user_stacklevel())

@@ -459,7 +459,6 @@ class FP8Linear(nn.Module):
         # at M = 1 (AMD EPYC Zen 3, 2 threads, cycling through 200 MB of layers) the full
         # path took 44.9 us a call, this one 26.9, bf16 nn.Linear 27.9 (docs/design.md,
         # forward, item 8).
-        in_features = self.in_features
         if (not _is_compiling() and (scale_buffer := self._fast_scale) is not None and x.device in _backend._settled
                 and (out := ops.linear_if_plain(x, weight, buffers["weight_scale"], bias,
                                                 buffers[scale_buffer] if scale_buffer else None, *self._linear_codes,
@@ -467,6 +466,7 @@ class FP8Linear(nn.Module):
             return out
         device = x.device
         warn_once_if_not_native(device)
+        in_features = self.in_features
         if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(f"input's last dimension must be in_features={in_features}, got shape {tuple(x.shape)}")
         if weight.requires_grad:

@@ -158,7 +158,8 @@ def linear_if_plain(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     """FP8Linear's fast path: :func:`linear` called from C++ through the dispatcher (~2 us
     less than the boxed torch.ops call) for an input of at most ``max_rows`` rows that is a
     plain float32/bfloat16/float16 CPU or CUDA tensor of the weight's in_features, with no
-    autograd to record, autocast or torch function mode on; None otherwise (the caller
+    autograd to record and no autocast, torch function or dispatch mode on (the full list
+    of cases is linear_if_plain's in csrc/bindings/ops.cpp); None otherwise (the caller
     takes its full path). Outside torch.compile only."""
     return native().linear_if_plain(x, weight, weight_scale, bias, activation_scale, activations, granularity, max_rows)
 
