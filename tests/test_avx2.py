@@ -190,14 +190,19 @@ def test_extreme_products(m, activation_fmt, magnitude):
 
 # m = 1, 2, 3, 4 (6 and 7 end in 2 and 3) rows per dot block; N = 141 leaves a last
 # column for each block of rows, so every dot block shape runs block-wise
-@pytest.mark.parametrize("m", [1, 3, 6, 7, 20, 40])
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 20, 40, 257])
 @pytest.mark.parametrize("k", [300, 600])  # 600: panels of 256 k, blocks of 128 across them
-@pytest.mark.parametrize("fmt", FP8_DTYPES)  # the panel kernel at M = 40 (and e5m2 at 20)
+@pytest.mark.parametrize("fmt", FP8_DTYPES)  # the panel kernel at M = 40 and 257 (and e5m2 at 20)
 def test_block_wise_scales(m, k, fmt):
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", dtype=fmt)
     w, scale_w = fp8linear.quantize_fp8(torch.randn(141, k), granularity="block", dtype=fmt)
-    scale_w = scale_w.clone()
+    scale_w, scale_a = scale_w.clone(), scale_a.clone()
     scale_w[:, 1] *= 2.0**10  # a kernel applying one scale to all of K is far off
+    # one row's scale of one block, another's of the last (partial) block: a kernel that
+    # takes a row's or a block's scale from its neighbour is far off (257 rows: the
+    # second tile of rows starts at 256)
+    scale_a[m // 2, 1] *= 2.0**8
+    scale_a[m - 1, -1] *= 2.0**-6
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
     exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
     assert relative_error(out, exact) <= 1e-5

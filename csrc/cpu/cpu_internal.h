@@ -132,6 +132,11 @@ enum { FP8_AVX2_DOT_MAX_ROWS = 16, FP8_AVX2_FLOAT32_DOT_MAX_ROWS = 20, FP8_AVX2_
 /* Whether the avx2 dot kernel runs this call by its float32 route (see gemm_avx2.c). */
 int fp8_avx2_float32_route(const fp8_scaled_mm_params* p);
 int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
+/* The panel kernel's workspace: the float32 activations, and for block-wise calls a table
+ * of their scales; fp8_avx2_panel_prepare fills rows [m_begin, m_end) of both. */
+int64_t fp8_avx2_panel_workspace_bytes(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan);
+void fp8_avx2_panel_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                            int64_t m_begin, int64_t m_end);
 /* What fp8 activations are widened times for the avx2 kernels (fp8_float_prepare). */
 float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p);
 void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,

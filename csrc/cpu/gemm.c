@@ -133,6 +133,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     if (plan.variant == FP8_CPU_AVX2 && p->m > FP8_AVX2_DOT_MAX_ROWS && !fp8_avx2_float32_route(p)) {
       plan.method = FP8_MM_AVX2_PANEL;
       plan.tile_m = p->m < FP8_AVX2_TILE_M ? p->m : FP8_AVX2_TILE_M;
+      plan.workspace_bytes = fp8_avx2_panel_workspace_bytes(p, &plan);
       plan.scratch_bytes = fp8_avx2_scratch_bytes(&plan);
     }
   }
@@ -143,7 +144,9 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
                                void* scratch, int64_t m_begin, int64_t m_end) {
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
     fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
-  else if (plan->method == FP8_MM_FLOAT_DOT || plan->method == FP8_MM_AVX2_PANEL)
+  else if (plan->method == FP8_MM_AVX2_PANEL)
+    fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
+  else if (plan->method == FP8_MM_FLOAT_DOT)
     fp8_float_prepare(p, plan, workspace, m_begin, m_end,
                       plan->variant == FP8_CPU_AVX2 ? fp8_avx2_activation_factor(p) : 1.0f);
 }
