@@ -191,7 +191,7 @@ def test_extreme_products(m, activation_fmt, magnitude):
 # m = 1, 2, 3, 4 (6 and 7 end in 2 and 3) rows per dot block; N = 141 leaves a last
 # column for each block of rows, so every dot block shape runs block-wise
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 20, 40, 257])
-@pytest.mark.parametrize("k", [300, 600])  # 600: panels of 256 k, blocks of 128 across them
+@pytest.mark.parametrize("k", [300, 400, 600])  # 400: a last panel of two blocks, the second partial; 600: blocks across panels
 @pytest.mark.parametrize("fmt", FP8_DTYPES)  # the panel kernel at M = 40 and 257 (and e5m2 at 20)
 def test_block_wise_scales(m, k, fmt):
     a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", dtype=fmt)

@@ -108,7 +108,8 @@ void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
 void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
-/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace (K rounded up to 32):
+/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace (K rounded up to 32;
+ * the panel kernel's also holds a table of block-wise activation scales after it):
  * the dot kernel (FP8_MM_FLOAT_DOT on the avx2 variant) and the panel kernel
  * (FP8_MM_AVX2_PANEL: panels of FP8_AVX2_KC k, a multiple of FP8_SCALE_BLOCK, tiles of at
  * most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes). The dot kernel takes
