@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -76,6 +77,36 @@ class KernelMemory {
   Buffer kept_, once_;
   int64_t kept_bytes_ = 0;
 };
+
+#if defined(__SANITIZE_ADDRESS__)
+// scaled_mm's memory in the instrumented build: one allocation per buffer, each exactly
+// as large as the plan says (ASan's redzones follow each), freed after the call.
+class ExactBuffers {
+ public:
+  ExactBuffers(int64_t workspace_bytes, int64_t scratch_bytes, int64_t threads) {
+    workspace_ = allocate(workspace_bytes);
+    for (int64_t t = 0; t < threads; ++t) scratch_.push_back(allocate(scratch_bytes));
+  }
+  ExactBuffers(const ExactBuffers&) = delete;
+  ExactBuffers& operator=(const ExactBuffers&) = delete;
+  ~ExactBuffers() {
+    std::free(workspace_);
+    for (uint8_t* buffer : scratch_) std::free(buffer);
+  }
+  uint8_t* workspace() const { return workspace_; }
+  uint8_t* scratch(int64_t thread) const { return scratch_[static_cast<size_t>(thread)]; }
+
+ private:
+  static uint8_t* allocate(int64_t bytes) {
+    void* pointer = nullptr;  // posix_memalign: any size (aligned_alloc wants a multiple of 64)
+    TORCH_CHECK(posix_memalign(&pointer, 64, static_cast<size_t>(bytes)) == 0, "fp8linear: could not allocate ",
+                bytes, " bytes of scaled_mm workspace");
+    return static_cast<uint8_t*>(pointer);
+  }
+  uint8_t* workspace_ = nullptr;
+  std::vector<uint8_t*> scratch_;
+};
+#endif
 
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
@@ -245,6 +276,14 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   const int64_t threads = at::get_num_threads();
   const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&p), n, threads);
+#if defined(__SANITIZE_ADDRESS__)
+  // The instrumented build (make sanitize) gives the workspace and each thread's scratch
+  // buffers of their own, of exactly the sizes the plan asked for: in the one shared
+  // buffer below, a kernel writing past its workspace would land in scratch unseen.
+  ExactBuffers exact(plan.workspace_bytes, plan.scratch_bytes, threads);
+  uint8_t* const workspace = exact.workspace();
+  const auto scratch = [&] { return exact.scratch(at::get_thread_num() % threads); };
+#else
   thread_local KernelMemory kernel_memory;
   const int64_t workspace_bytes = KernelMemory::round_up(plan.workspace_bytes, 64);
   const int64_t scratch_bytes = KernelMemory::round_up(plan.scratch_bytes, 64);
@@ -252,6 +291,7 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   // Each thread of the pool has its own scratch area. A call made inside another parallel
   // region runs its loops on the calling thread alone, whose number may exceed the pool's.
   const auto scratch = [&] { return workspace + workspace_bytes + (at::get_thread_num() % threads) * scratch_bytes; };
+#endif
   // Activations are widened once (rows in blocks of 16: the tile kernel packs 16 rows together) ...
   const int64_t row_blocks = (m + 15) / 16;
   at::parallel_for(0, row_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -274,7 +314,9 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
       t += last_col - first_col;
     }
   });
+#if !defined(__SANITIZE_ADDRESS__)
   kernel_memory.release_once();
+#endif
   return out;
 }
 
