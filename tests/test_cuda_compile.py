@@ -15,8 +15,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
-# The -gencode forms TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0a" produces.
+# The -gencode forms TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0a" produces, and sm_75: not in the
+# default list, but what a Turing GPU (T4) needs added to run the `generic` kernel, the
+# oldest CUDA 13 compiles for (the sm_80 kernels compile to traps there).
 ARCHITECTURES = {
+    "sm_75": "arch=compute_75,code=sm_75",
     "sm_80": "arch=compute_80,code=sm_80",
     "sm_89": "arch=compute_89,code=sm_89",
     "sm_90a": "arch=compute_90a,code=sm_90a",
@@ -127,11 +130,13 @@ def test_spill_report_is_parsed():
 
 def test_no_register_spills(compiled):
     """A kernel that spills its accumulators to local memory runs at a fraction of its
-    speed: every kernel, every architecture, keeps them in registers (the register
+    speed: every kernel, every default architecture, keeps them in registers (the register
     counts are in the same report: the GEMM's 128-row fp8 tile takes ~150)."""
     reports = [output for (code, output) in compiled.values() if code == 0]
     assert any(_ENTRY.search(output) for output in reports), "ptxas -v printed no kernel report"
-    spills = [found for output in reports for found in _spilling_kernels(output)]
+    # sm_75 only has to build: nothing there is tuned (ptxas spills 12 bytes of the
+    # float32 row quantizer there, none at sm_80 from the same source)
+    spills = [found for output in reports for found in _spilling_kernels(output) if found[1] != "sm_75"]
     assert not spills, spills
 
 

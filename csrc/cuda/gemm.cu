@@ -61,15 +61,27 @@ struct TileShape {
 // 16 bytes global -> shared without registers (cp.async, sm_80+), cached in L2 only.
 // !inside (a piece past the end of a row, or beyond the last row): a source size of 0,
 // so the 16 bytes are zeroed and nothing is read (`global` need only be a valid address).
+// Below sm_80 (an architecture added to TORCH_CUDA_ARCH_LIST, e.g. 7.5 for a T4) these
+// kernels compile to a trap: the launcher takes `generic` there and never this kernel,
+// as for mma.cuh's products.
 __device__ __forceinline__ void copy_async16(void* shared, const void* global, bool inside) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(inside ? 16 : 0)
                : "memory");
+#else
+  (void)shared, (void)global, (void)inside;
+  __trap();
+#endif
 }
 
 __device__ __forceinline__ void copies_commit_and_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#else
+  __trap();
+#endif
 }
 
 // kAsync: both operands 16-byte aligned (rows, strides and K), so that every 16-byte
