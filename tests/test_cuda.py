@@ -74,7 +74,9 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
         # whole blocks, e4m3, M a multiple of 4, no bias
         return (layout_ok and a_blocked and b_blocked and _capability()[0] == 9 and a.dtype == b.dtype == E4M3
                 and k % 128 == 0 and n % 128 == 0 and m % 4 == 0 and bias is None)
-    return (layout_ok and (not vectors or _capability()[0] == 9)
+    # per-row/column scale vectors are handed to cuBLASLt only 16-byte aligned
+    vectors_aligned = all(s.numel() == 1 or s.data_ptr() % 16 == 0 for s in (scale_a, scale_b))
+    return (layout_ok and (not vectors or (_capability()[0] == 9 and vectors_aligned))
             and (bias is None or bias.dtype == out_dtype))
 
 
@@ -292,6 +294,33 @@ def test_paths_strides(path):
     for a_, b_, sa in [(big_a[::2, ::2], b, scale_a), (a, b.contiguous(), scale_a), (a.t().contiguous().t(), b, scale_a),
                        (unaligned_a, b, scale_a), (a, b, expanded_scale), (big_a[::2, :70], b, scale_a)]:
         _check(path, a_, b_, sa, scale_b)
+
+
+def test_paths_unaligned_scale_vectors(path):
+    # per-row and per-column scales 4 bytes into a larger tensor (contiguous, so passed
+    # as they are): cuBLASLt is not given them, the other paths read them in place
+    a, b, scale_a, scale_b = _operands(32, 256, 64, per_row=True)
+    padded_a = torch.zeros(33, 1, device="cuda")
+    padded_a[1:] = scale_a
+    padded_b = torch.zeros(1, 65, device="cuda")
+    padded_b[:, 1:] = scale_b
+    assert padded_a[1:].data_ptr() % 16 == 4 and padded_b[:, 1:].is_contiguous()
+    _check(path, a, b, padded_a[1:], padded_b[:, 1:])
+
+
+@pytest.mark.parametrize("scheme", ["per-row", "block", "weight-only"])
+def test_paths_more_rows_than_one_launch(path, scheme):
+    # above 2^20 rows a call is launched in parts (scaled_mm.cu, kMaxLaunchRows), each with
+    # its rows of a, scale_a and out: every kernel keeps its row tiles in gridDim.y
+    m, k, n = (1 << 20) + 37, 160, 16
+    if scheme == "per-row":
+        _check(path, *_operands(m, k, n, per_row=True))
+    elif scheme == "block":
+        _check(path, *_blockwise_operands(m, k, n))
+    else:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="row")
+        _check(path, x, w.t(), torch.ones((), device="cuda"), scale_w.t(), out_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("m, n", [(1, 48), (20, 1), (1, 1)])

@@ -146,7 +146,7 @@ at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   // calls, freed with the cache, and legal inside CUDA-graph capture (the graph's pool)
   at::Tensor workspace;
   fp8_cuda_workspace memory = {nullptr, 0};
-  if (fp8_cuda_may_use_cublaslt(&p, path)) {
+  if (fp8_cuda_may_use_cublaslt(&p, path, a.get_device())) {
     const int64_t bytes = static_cast<int64_t>(fp8_cuda_workspace_bytes(&p));
     workspace = at::empty({bytes}, a.options().dtype(at::kByte));
     memory = {workspace.data_ptr(), static_cast<size_t>(bytes)};

@@ -46,6 +46,13 @@ constexpr size_t kWorkspaceBytes = FP8_CUDA_CUBLASLT_WORKSPACE_BYTES;  // what c
 constexpr int64_t kBroadcastFloats = FP8_CUDA_BROADCAST_FLOATS;  // a per-tensor scale as an M- or N-vector
 constexpr int kMaxDevices = 64;
 
+// The headers say what was compiled against; the library loaded at run time (torch's
+// wheel may have loaded an older libcublasLt first) must have the scale modes too.
+bool scale_modes_available() {
+  static const bool available = FP8LINEAR_HAS_SCALE_MODES && cublasLtGetVersion() >= 120900;
+  return available;
+}
+
 const char* status_message(const char* what, cublasStatus_t status) {
   return error_text("fp8linear CUDA: %s: %s (cuBLAS status %d)", what, cublasLtGetStatusString(status),
                     static_cast<int>(status));
@@ -142,7 +149,7 @@ __global__ void block_scales_kernel(float* a_t, float* b_padded, const float* sc
 // are stricter than cuBLASLt's documentation requires, where it leaves the layout
 // unclear and a wrong guess would be silently wrong (not yet run on a GPU).
 const char* block_scale_refusal(const fp8_scaled_mm_params* p, int major) {
-  if (!FP8LINEAR_HAS_SCALE_MODES) return "block-wise scales in cuBLASLt need cuBLAS 12.9 or newer";
+  if (!scale_modes_available()) return "block-wise scales in cuBLASLt need cuBLAS 12.9 or newer (built and loaded)";
   if (major != 9) return "block-wise scales in cuBLASLt exist only on sm_90";
   if (!p->scale_a_blocked || !p->scale_b_blocked) {
     return "cuBLASLt's block scaling takes activations scaled per token and group of 128 with a weight scaled per "
@@ -215,8 +222,14 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
   }
   if (fp8_k_blocked(p)) return block_scale_refusal(p, major);
   if (wants_outer_vector(p)) {
-    if (!FP8LINEAR_HAS_SCALE_MODES) return "per-row/column scales in cuBLASLt need cuBLAS 12.9 or newer";
+    if (!scale_modes_available()) return "per-row/column scales in cuBLASLt need cuBLAS 12.9 or newer (built and loaded)";
     if (major != 9) return "per-row/column scales in cuBLASLt (outer-vector mode) exist only on sm_90";
+    // The vectors cuBLASLt reads in place (a per-row scale_a, a per-column scale_b);
+    // one sliced from a larger vector may be only 4-byte aligned, and cuBLASLt's
+    // documentation does not say what it needs: those calls take our kernels
+    if ((p->scale_a_per_row && !is_aligned(p->scale_a, 16)) || (p->scale_b_per_col && !is_aligned(p->scale_b, 16))) {
+      return "cuBLASLt is given per-row/column scale vectors only 16-byte aligned";
+    }
     if ((!p->scale_a_per_row && p->m > kBroadcastFloats) || (!p->scale_b_per_col && p->n > kBroadcastFloats)) {
       return "too many rows to broadcast a per-tensor scale for cuBLASLt's outer-vector mode";
     }
@@ -326,6 +339,11 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &activation_mode, sizeof activation_mode);
   }
 #endif
+  if (status != CUBLAS_STATUS_SUCCESS && mode != kScalar) {
+    // a library that does not know the scale modes: our kernels take the call
+    *unsupported = 1;
+    return status_message("cublasLtMatmulDescSetAttribute refused the scale mode", status);
+  }
   // Fast accumulation stays off: Hopper then promotes the fp8 partial sums to full
   // float32 periodically, which the float32-accumulation contract needs.
   if (p->bias != nullptr) {

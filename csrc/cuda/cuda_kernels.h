@@ -69,10 +69,10 @@ typedef struct {
 
 // The workspace a call may use (cuBLASLt's recommended 32 MiB on Hopper + 1 MiB of
 // broadcast scales, or more for the block scales of a large M: fp8_cuda_workspace_bytes),
-// and whether this call could reach cuBLASLt at all on `path` (otherwise the caller need
-// not allocate it).
+// and whether this call could reach cuBLASLt at all on `path` and `device` (otherwise the
+// caller need not allocate it).
 enum { FP8_CUDA_CUBLASLT_WORKSPACE_BYTES = (32 << 20), FP8_CUDA_BROADCAST_FLOATS = (1 << 18) };
-int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path);
+int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device);
 size_t fp8_cuda_workspace_bytes(const fp8_scaled_mm_params* p);
 
 // out = (a * scale_a) @ (b * scale_b) + bias on `path` (AUTO: the best one that can

@@ -15,6 +15,7 @@
 // fp8 tensor cores of Ada/Hopper keep partial sums with 13 mantissa bits (reports
 // disagree on whether products within one instruction are also truncated): within
 // the 1e-2 of 16-bit outputs, not the 1e-5 of float32 sums.
+#include <algorithm>
 #include <string>
 
 #include "cuda_kernels.h"
@@ -26,6 +27,24 @@ constexpr int64_t kGemvMaxTokens = 16;
 constexpr int64_t kSkinnyMaxTokens = 64;
 
 int capability(int major, int minor) { return major * 10 + minor; }
+
+// Rows per launch. Every kernel puts its row tiles in gridDim.y (at most 65535); the
+// smallest row tile of a call this large is 32 (forced gemv, block-wise), so 2^20 rows
+// make at most 32768 of them. Larger calls are launched in parts of this many rows.
+constexpr int64_t kMaxLaunchRows = int64_t{1} << 20;
+
+int64_t float_bytes(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
+
+// The call restricted to rows [m0, m1) of a, scale_a and out.
+fp8_scaled_mm_params rows_of(const fp8_scaled_mm_params* p, int64_t m0, int64_t m1) {
+  fp8_scaled_mm_params part = *p;
+  const int64_t a_bytes = p->a_is_float ? float_bytes(p->a_float_dtype) : 1;
+  part.a = static_cast<const char*>(p->a) + m0 * p->a_row_stride * a_bytes;
+  part.out = static_cast<char*>(p->out) + m0 * p->out_row_stride * float_bytes(p->out_dtype);
+  part.scale_a = p->scale_a + (p->scale_a_blocked ? m0 * p->scale_a_row_stride : p->scale_a_per_row ? m0 : 0);
+  part.m = m1 - m0;
+  return part;
+}
 
 // Our tensor-core kernels read 16 consecutive k-elements of each row of a and of each
 // column of b (a row of the [N, K] weight).
@@ -103,17 +122,27 @@ const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params
   }
 }
 
-int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path) {
+int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device) {
   if (path == FP8_CUDA_PATH_CUBLASLT) return 1;
-  // auto sends M <= 16 to the GEMV before asking cuBLASLt; the refusals that need no
-  // device (capability is checked at launch) rule out the rest
-  return path == FP8_CUDA_PATH_AUTO && p->m > kGemvMaxTokens && fp8_cuda_cublaslt_refusal(p, 9, 0) == nullptr;
+  if (path != FP8_CUDA_PATH_AUTO || p->m <= kGemvMaxTokens) return 0;  // auto sends M <= 16 to the GEMV first
+  // with this device's capability: on sm_80/sm_89 per-row/column and block scales never
+  // reach cuBLASLt, and its 32 MiB workspace would be taken for nothing
+  const char* error = nullptr;
+  const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
+  return info != nullptr && fp8_cuda_cublaslt_refusal(p, info->major, info->minor) == nullptr;
 }
 
 const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device,
                                       cudaStream_t stream, fp8_cuda_workspace workspace, fp8_cuda_path* used) {
   *used = FP8_CUDA_PATH_NONE;
   if (p->m == 0 || p->n == 0) return nullptr;
+  if (p->m > kMaxLaunchRows) {
+    for (int64_t m0 = 0; m0 < p->m; m0 += kMaxLaunchRows) {
+      const fp8_scaled_mm_params part = rows_of(p, m0, std::min(p->m, m0 + kMaxLaunchRows));
+      if (const char* error = fp8_cuda_scaled_mm_launch(&part, path, device, stream, workspace, used)) return error;
+    }
+    return nullptr;
+  }
   const char* error = nullptr;
   const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
   if (info == nullptr) return error;
