@@ -136,16 +136,23 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
                                       cudaStream_t stream, fp8_cuda_workspace workspace, fp8_cuda_path* used) {
   *used = FP8_CUDA_PATH_NONE;
   if (p->m == 0 || p->n == 0) return nullptr;
-  if (p->m > kMaxLaunchRows) {
-    for (int64_t m0 = 0; m0 < p->m; m0 += kMaxLaunchRows) {
-      const fp8_scaled_mm_params part = rows_of(p, m0, std::min(p->m, m0 + kMaxLaunchRows));
-      if (const char* error = fp8_cuda_scaled_mm_launch(&part, path, device, stream, workspace, used)) return error;
-    }
-    return nullptr;
-  }
   const char* error = nullptr;
   const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
   if (info == nullptr) return error;
+  if (path != FP8_CUDA_PATH_AUTO && p->k != 0) {
+    if (const char* refusal = fp8_cuda_path_refusal(path, p, info->major, info->minor)) {
+      return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
+                                 fp8_cuda_path_name(path), info->major, info->minor, refusal);
+    }
+  }
+  // (after the forced path's check: the whole call is refused or run, never a part of it)
+  if (p->m > kMaxLaunchRows) {
+    for (int64_t m0 = 0; m0 < p->m; m0 += kMaxLaunchRows) {
+      const fp8_scaled_mm_params part = rows_of(p, m0, std::min(p->m, m0 + kMaxLaunchRows));
+      if ((error = fp8_cuda_scaled_mm_launch(&part, path, device, stream, workspace, used))) return error;
+    }
+    return nullptr;
+  }
   int unsupported = 0;
   if (p->k == 0) {
     // No products: every path's answer is the bias (or zeros); the generic kernel writes it.
@@ -160,10 +167,6 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
     // cuBLASLt declined at run time (no algorithm, or no outer-vector scales here).
     *used = p->m <= kSkinnyMaxTokens ? FP8_CUDA_PATH_GEMV : FP8_CUDA_PATH_GEMM;
     return run(*used, p, device, info, stream, workspace, &unsupported);
-  }
-  if (const char* refusal = fp8_cuda_path_refusal(path, p, info->major, info->minor)) {
-    return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
-                               fp8_cuda_path_name(path), info->major, info->minor, refusal);
   }
   *used = path;
   error = run(path, p, device, info, stream, workspace, &unsupported);
