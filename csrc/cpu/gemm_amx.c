@@ -53,8 +53,7 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
                                           const uint32_t* b1, int64_t steps, float* sums, int64_t col_group, int first,
                                           panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
                                           const fp8_scaled_mm_params* p, int64_t n_first, const __m512* scale_rows,
-                                          int64_t kb, float* block_tiles, const uint32_t* prefetch_b, const float* prefetch_sums,
-                                          const int both_cols, const int both_rows,
+                                          int64_t kb, float* block_tiles, const int both_cols, const int both_rows,
                                           const int emulated, amx_model* model) {
   const int64_t sums_stride = AMX_ROWS * (int64_t)sizeof(float);
   float* s00 = sums;                          /* weight rows g*16.., activation rows r*16.. */
@@ -63,7 +62,6 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   float* s11 = s10 + AMX_ROWS * AMX_ROWS;
   /* K-blocked scales: this panel is one block of 128 k, summed from zero in the C tiles
    * and added into the sums with its scales (add_scaled_block) */
-  const int64_t sums_lines_per_step = (64 + steps - 1) / steps;
   const int blocked = fp8_k_blocked(p);
   if (first || blocked) {
     TILE_ZERO(0);
@@ -78,18 +76,6 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   }
   for (int64_t s = 0; s < steps; ++s) {
     tile_step(panel_g, panel_g1, b0, b1, s, 0, both_cols, both_rows, emulated, model);
-    if (prefetch_b) { /* this step's two activation tiles of the next row pair */
-      const char* q0 = (const char*)(prefetch_b + s * AMX_ROWS * AMX_ROWS);
-      const char* q1 = q0 + (b1 - b0) * sizeof(uint32_t);
-      for (int i = 0; i < 16; ++i) {
-        _mm_prefetch(q0 + 64 * i, _MM_HINT_T0);
-        _mm_prefetch(q1 + 64 * i, _MM_HINT_T0);
-      }
-    }
-    /* lines [s, s + 1) * sums_lines_per_step of the next block's four C tiles' sums: 64
-     * lines in two 2 KiB pieces (its weight-row groups) */
-    for (int64_t i = s * sums_lines_per_step; prefetch_sums && i < (s + 1) * sums_lines_per_step && i < 64; ++i)
-      _mm_prefetch((const char*)(prefetch_sums + (i >> 5) * col_group) + (i & 31) * 64, _MM_HINT_T0);
     widen_units(next, t, widen_per_step);
   }
   if (blocked) {
@@ -179,26 +165,18 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
       const uint32_t* b0 = packed + ((m_begin + r0) / AMX_ROWS) * group_stride + (k0 / 2) * AMX_ROWS;
       for (int64_t g = 0; g < col_groups; g += 2) {
         const int both_cols = g + 1 < col_groups;
-        /* Prefetched into L1 during this block's steps: the next row pair's activation
-         * tiles, during its last column pair (~8 steps before their use), and the sums
-         * the next block loads (past the first K block). Presumably hardware prefetch
-         * covers neither (no counters to tell in the VM measured): each group's packed
-         * activations of one K block (8 KiB) lie far from the next group's, and the sums
-         * are read 4 KiB at a time. scaled_mm, Intel Xeon with AMX, time with / without,
-         * medians of 8-20 alternated calls: 4096 x 14336, M = 512-2048: 0.91-0.96 (two
-         * runs on a host whose base time doubled meanwhile: 1.11, 1.45); 14336 x 4096:
-         * 0.88-0.91 (one run 1.06); 4096 x 4096: 0.93-0.98. Results unchanged. */
+        /* No software prefetch here: prefetching the next row pair's activation tiles and
+         * the next block's sums into L1 during each block's steps measured 0.88-0.96 of the
+         * time on 2026-12-03 (in one process, alternated), and 1.06-1.14 on 2026-12-05 in
+         * both ways of measuring (FP8Linear in separate processes, 3 rounds; scaled_mm
+         * with a switch in one process, medians of 12 alternated calls; M = 256-2048 on
+         * the three Llama shapes, Intel Xeon with AMX, 2 threads): removed. */
         float* block_sums = panel_sums + g * layout.col_group + (r0 / AMX_ROWS) * layout.row_group;
-        const float* next_sums = g + 2 < col_groups ? block_sums + 2 * layout.col_group
-                                 : r0 + 2 * AMX_ROWS < rows ? panel_sums + (r0 / AMX_ROWS + 2) * layout.row_group
-                                                            : NULL;
-        const float* prefetch_sums = k0 != 0 ? next_sums : NULL;
-        const uint32_t* prefetch_b = g + 2 >= col_groups && r0 + 2 * AMX_ROWS < rows ? b0 + 2 * group_stride : NULL;
         const uint16_t* panel_g = panel + g * steps * AMX_TILE_BF16;
         TWO_BY_TWO_CASES(tile_block, panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
                          block_sums, layout.col_group,
                          k0 == 0, &next, &t, widen_per_step, p, n0 + g * AMX_ROWS, scale_rows + r0 / AMX_ROWS,
-                         k0 / FP8_SCALE_BLOCK, block_tiles, prefetch_b, prefetch_sums)
+                         k0 / FP8_SCALE_BLOCK, block_tiles)
       }
     }
     widen_units(&next, &t, next.left); /* whatever the steps left */
