@@ -99,18 +99,16 @@ int64_t fp8_amx_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
-/* The float32 FMA kernels (gemm_float.c: AVX-512; the avx2 variant's are gemm_avx2.c's);
- * plan->k_padded is a multiple of 16. */
 /* Activation rows [m_begin, m_end) -> float32 workspace rows of plan->k_padded (zero
- * padded); fp8 activations times fp8_factor (a power of two: exact). */
+ * padded) for the AVX2 kernels (gemm.c); fp8 activations times fp8_factor (a power of
+ * two: exact). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                        int64_t m_begin, int64_t m_end, float fp8_factor);
-void fp8_float_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
-                       int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace (K rounded up to 32;
  * the panel kernel's also holds a table of block-wise activation scales after it):
- * the dot kernel (FP8_MM_FLOAT_DOT on the avx2 variant) and the panel kernel
+ * the dot kernel (FP8_MM_FLOAT_DOT: the avx2 and avx512 variants, and float32 / float16
+ * activations on the bf16 variants) and the panel kernel
  * (FP8_MM_AVX2_PANEL: panels of FP8_AVX2_KC k, a multiple of FP8_SCALE_BLOCK, tiles of at
  * most FP8_AVX2_TILE_M rows, its scratch fp8_avx2_scratch_bytes). The dot kernel takes
  * e4m3fn weights against fp8 activations (fp8_avx2_float32_route) up to

@@ -21,6 +21,22 @@ const float* fp8_decode_table(fp8_format format) {
   return decode_tables[format];
 }
 
+/* Activation rows -> float32 rows of plan->k_padded, zero padded, for the AVX2 kernels
+ * (gemm_avx2.c); fp8 activations times fp8_factor (a power of two: exact). */
+void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                       int64_t m_begin, int64_t m_end, float fp8_factor) {
+  const float* decode = fp8_decode_table(p->a_format);
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    float* row = (float*)workspace + m * plan->k_padded;
+    for (int64_t k = 0; k < p->k; ++k) {
+      const int64_t offset = m * p->a_row_stride + k * p->a_col_stride;
+      row[k] = p->a_is_float ? fp8_load_float(p->a, p->a_float_dtype, offset)
+                             : decode[((const uint8_t*)p->a)[offset]] * fp8_factor;
+    }
+    for (int64_t k = p->k; k < plan->k_padded; ++k) row[k] = 0.0f;
+  }
+}
+
 /* Rows of A decoded a block at a time, so each B column is decoded once per block. */
 enum { SCALAR_ROW_BLOCK = 8 };
 
@@ -124,13 +140,19 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
     plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);
   } else if (plan.variant >= FP8_CPU_AVX2) {
+    /* The AVX2 kernels: the avx2 variant, AVX-512 CPUs without AVX512-BF16, and float32 /
+     * float16 activations (weight-only) on the bf16 variants. An AVX-512 dot kernel that
+     * widened the weights through 16-lane table gathers ran these before, 1.9-3.4x slower
+     * at every M (Intel Xeon with AMX, that kernel and these forced, FP8Linear, 2 threads:
+     * 4096 x 4096 W8A8 M = 1 2.01 vs 0.60 ms, M = 16 9.15 vs 4.97, M = 256 140 vs 61;
+     * 576 x 576 M = 1 47 vs 20 us; weight-only float32, 4096 x 4096, M = 1 1.92 vs 0.92
+     * ms, M = 256 141 vs 66). */
     plan.method = FP8_MM_FLOAT_DOT;
-    plan.k_padded = round_up(p->k, 16);
+    plan.k_padded = round_up(p->k, 32);
     plan.tile_m = p->m < 64 ? p->m : 64;
     plan.tile_n = 32;
-    if (plan.variant == FP8_CPU_AVX2) plan.k_padded = round_up(p->k, 32);
     plan.workspace_bytes = p->m * plan.k_padded * (int64_t)sizeof(float);
-    if (plan.variant == FP8_CPU_AVX2 && p->m > FP8_AVX2_DOT_MAX_ROWS && !fp8_avx2_float32_route(p)) {
+    if (p->m > FP8_AVX2_DOT_MAX_ROWS && !fp8_avx2_float32_route(p)) {
       plan.method = FP8_MM_AVX2_PANEL;
       plan.tile_m = p->m < FP8_AVX2_TILE_M ? p->m : FP8_AVX2_TILE_M;
       plan.workspace_bytes = fp8_avx2_panel_workspace_bytes(p, &plan);
@@ -147,8 +169,7 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
   else if (plan->method == FP8_MM_AVX2_PANEL)
     fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
-    fp8_float_prepare(p, plan, workspace, m_begin, m_end,
-                      plan->variant == FP8_CPU_AVX2 ? fp8_avx2_activation_factor(p) : 1.0f);
+    fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p));
 }
 
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
@@ -160,9 +181,6 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
     case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_AMX: fp8_amx_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_FLOAT_DOT:
-      if (plan->variant == FP8_CPU_AVX2) fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end);
-      else fp8_float_compute(p, plan, workspace, m_begin, m_end, n_begin, n_end);
-      break;
     case FP8_MM_AVX2_PANEL: fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
   }

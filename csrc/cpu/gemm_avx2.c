@@ -1,5 +1,6 @@
-/* scaled_mm on CPUs with AVX2 + FMA + F16C and no AVX-512 (AMD Zen 2/3, Intel Haswell to
- * Comet Lake): float32 FMA products over activations widened once into a float32
+/* scaled_mm on CPUs with AVX2 + FMA + F16C and no AVX512-BF16 (AMD Zen 2/3, Intel Haswell
+ * to Comet Lake; AVX-512 CPUs without AVX512-BF16, Skylake-SP to Ice Lake), and for float32
+ * / float16 activations (weight-only layers) on every CPU with AVX2: float32 FMA products over activations widened once into a float32
  * workspace (fp8_float_prepare, times fp8_avx2_activation_factor; the panel kernel's by
  * fp8_avx2_panel_prepare, which adds a table of block-wise activation scales) and weights widened in
  * registers, by one of two routes.
