@@ -105,7 +105,7 @@ void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                        int64_t m_begin, int64_t m_end, float fp8_factor);
 
-/* The AVX2 kernels (gemm_avx2.c), over the same float32 workspace (K rounded up to 32;
+/* The AVX2 kernels (gemm_avx2.c, gemm_avx2_panel.c), over the same float32 workspace (K rounded up to 32;
  * the panel kernel's also holds a table of block-wise activation scales after it):
  * the dot kernel (FP8_MM_FLOAT_DOT: the avx2 and avx512 variants, and float32 / float16
  * activations on the bf16 variants) and the panel kernel

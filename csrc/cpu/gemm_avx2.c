@@ -1,9 +1,10 @@
 /* scaled_mm on CPUs with AVX2 + FMA + F16C and no AVX512-BF16 (AMD Zen 2/3, Intel Haswell
  * to Comet Lake; AVX-512 CPUs without AVX512-BF16, Skylake-SP to Ice Lake), and for float32
- * / float16 activations (weight-only layers) on every CPU with AVX2: float32 FMA products over activations widened once into a float32
- * workspace (fp8_float_prepare, times fp8_avx2_activation_factor; the panel kernel's by
- * fp8_avx2_panel_prepare, which adds a table of block-wise activation scales) and weights widened in
- * registers, by one of two routes.
+ * / float16 activations (weight-only layers) on every CPU with AVX2: float32 FMA products
+ * over activations widened once into a float32 workspace (fp8_float_prepare, times
+ * fp8_avx2_activation_factor; the panel kernel's by fp8_avx2_panel_prepare, which adds a
+ * table of block-wise activation scales) and weights widened in registers, by one of two
+ * routes.
  *
  * The float16 route (e5m2 weights, or float activations: weight-only layers): an fp8 code
  * becomes float16 bits with a few integer operations (16 codes per register), then
@@ -44,22 +45,14 @@
  *   4, each block against 4 (1-2 rows) or 2 (3-4 rows) weight rows at a time, so a block
  *   is one pass over its weights, widened once; the weights in chunks that stay in L2
  *   while every block of rows passes over them.
- * - panel (above those rows, always by the float16 route): a block of 16 weight rows x
+ * - panel (gemm_avx2_panel.c; above those rows, always by the float16 route): a block of 16 weight rows x
  *   FP8_AVX2_KC k is widened and transposed once into a float32 panel ([k][16]), which a
  *   6 x 16 register block (12 accumulators, 6 broadcast activations, 2 panel loads per k)
  *   then multiplies with every activation row of the tile: the widening is paid once per
  *   tile of rows, not per row. Sums accumulate in a float32 block of the tile's rows x 16
  *   in the thread's scratch.
  * Both sum per block of FP8_SCALE_BLOCK k when a scale varies along K (block-wise). */
-#include <immintrin.h>
-#include <string.h>
-
-#include "cpu_internal.h"
-
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-enum { DOT_ROWS = 4, DOT_COLS = 4, PANEL_ROWS = 6, PANEL_COLS = 16 };
+#include "avx2_kernels.h"
 
 /* What the float32 route's activations carry, and its sums are multiplied back by. */
 #define FLOAT32_ROUTE_ACTIVATION_FACTOR 0x1p100f
@@ -75,23 +68,6 @@ int fp8_avx2_float32_route(const fp8_scaled_mm_params* p) {
 
 float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p) {
   return fp8_avx2_float32_route(p) ? FLOAT32_ROUTE_ACTIVATION_FACTOR : 1.0f;
-}
-
-/* 16-bit lanes holding code << 8 -> float16 bits (e4m3fn: the value times 2^-8; the low
- * byte may hold anything, the mask clears it). The arithmetic shift copies the sign into
- * bit 14 as well, where the mask clears it; NaN codes become all ones (a float16 NaN). */
-AVX2_TARGET ALWAYS_INLINE __m256i half16(__m256i high_codes, const fp8_format FORMAT) {
-  if (FORMAT == FP8_E5M2) return high_codes;
-  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(high_codes, 1), _mm256_set1_epi16((short)0xBF80));
-  const __m256i magnitude = _mm256_set1_epi16(0x3F80);
-  return _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, magnitude), magnitude));
-}
-
-/* float16 bits (half16's) -> float32: e4m3fn's times 256, which brings them back to the
- * weight's value. */
-AVX2_TARGET ALWAYS_INLINE __m256 half_to_float(__m128i half, const fp8_format FORMAT) {
-  const __m256 v = _mm256_cvtph_ps(half);
-  return FORMAT == FP8_E4M3FN ? _mm256_mul_ps(v, _mm256_set1_ps(256.0f)) : v;
 }
 
 /* The float32 route: 8 e4m3fn codes at row[0..8) -> their values times 2^-120, in order
@@ -116,20 +92,6 @@ AVX2_TARGET ALWAYS_INLINE void widen32(const uint8_t* row, __m256 w[4], const fp
   w[2] = half_to_float(_mm256_extracti128_si256(low, 1), FORMAT);
   w[1] = half_to_float(_mm256_castsi256_si128(high), FORMAT);
   w[3] = half_to_float(_mm256_extracti128_si256(high, 1), FORMAT);
-}
-
-/* The 8 codes at row[0..8) (bytes at or past `left` read as 0), in order, by the float16
- * route (NaN codes as NaN). */
-AVX2_TARGET ALWAYS_INLINE __m256 widen8(const uint8_t* row, int64_t left, const fp8_format FORMAT) {
-  uint64_t chunk = 0;
-  if (left >= 8) {
-    memcpy(&chunk, row, 8);
-  } else if (left > 0) {
-    memcpy(&chunk, row, (size_t)left);
-  }
-  const __m128i high_codes = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_cvtsi64_si128((long long)chunk));
-  /* the 256-bit form on the low half: one operation as well on AVX2 CPUs */
-  return half_to_float(_mm256_castsi256_si128(half16(_mm256_castsi128_si256(high_codes), FORMAT)), FORMAT);
 }
 
 AVX2_TARGET ALWAYS_INLINE float sum8(__m256 v) {
@@ -376,246 +338,6 @@ AVX2_TARGET ALWAYS_INLINE void dot_rows(const fp8_scaled_mm_params* p, const fp8
 #undef DOT_ROW_BLOCKS
 #undef DOT_CALL
 
-/* The scratch of the panel kernel: the panel, the scales of its k-blocks (block-wise
- * calls), and the float32 sums of the tile's rows x 16. */
-static int64_t panel_floats(void) { return (int64_t)FP8_AVX2_KC * PANEL_COLS; }
-static int64_t panel_scale_floats(void) { return (int64_t)FP8_AVX2_KC / FP8_SCALE_BLOCK * PANEL_COLS; }
-
-int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan) {
-  if (plan->method != FP8_MM_AVX2_PANEL) return 0;
-  return (panel_floats() + panel_scale_floats() + plan->tile_m * PANEL_COLS) * (int64_t)sizeof(float);
-}
-
-/* 8 x 8 floats: v[i] holds row i on entry, column i on return. */
-AVX2_TARGET ALWAYS_INLINE void transpose8(__m256 v[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-
-/* panel[k][c] = weight row n0 + c at k = k_begin + k, for k < k_len (a multiple of 8) and
- * c < 16; rows at or past n_end and k at or past K read as 0. */
-AVX2_TARGET ALWAYS_INLINE void fill_panel(const fp8_scaled_mm_params* p, int64_t n0, int64_t n_end, int64_t k_begin,
-                                          int64_t k_len, float* panel, const fp8_format FORMAT) {
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* rows[8];
-    int valid[8];
-    for (int j = 0; j < 8; ++j) {
-      const int64_t n = n0 + half * 8 + j;
-      valid[j] = n < n_end;
-      rows[j] = (const uint8_t*)p->b + (valid[j] ? n : n0) * p->b_col_stride;
-    }
-    for (int64_t k = 0; k < k_len; k += 8) {
-      const int64_t left = p->k - (k_begin + k);
-      __m256 v[8];
-      for (int j = 0; j < 8; ++j) v[j] = valid[j] ? widen8(rows[j] + k_begin + k, left, FORMAT) : _mm256_setzero_ps();
-      transpose8(v);
-      for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * PANEL_COLS + half * 8, v[j]);
-    }
-  }
-}
-
-/* sums[r][0..16) += (activation rows m0.. x panel over k_len k), ROWS <= 6 rows. With
- * `scales` (block-wise calls) the products are summed per block of 128 k, and block j's
- * sums scaled by row_scale[r] * scales[j * 16 + c] before they
- * join `sums`: one call per panel, as for the other calls (a call per block of 128 k, as
- * before, measured within 1% of it: 4096 x 4096, M = 256, one thread, AMD EPYC Zen 3). */
-AVX2_TARGET ALWAYS_INLINE void panel_block(const float* a, int64_t lda, const float* panel, int64_t k_len,
-                                           float* sums, const float* row_scale, int64_t row_scale_stride,
-                                           const float* scales, const int ROWS) {
-  const int64_t step = scales ? FP8_SCALE_BLOCK : k_len;
-  for (int64_t k0 = 0, j = 0; k0 < k_len; k0 += step, ++j) {
-    const int64_t k_end = k_len - k0 < step ? k_len : k0 + step;
-    /* the accumulators as named variables: as an array, built with -fwrapv (as Python's
-     * flags build extensions), GCC 12 kept a copy of it on the stack, 12 stores per k step,
-     * which halved the loop's speed */
-    __m256 acc0_0 = _mm256_setzero_ps(), acc0_1 = acc0_0, acc1_0 = acc0_0, acc1_1 = acc0_0, acc2_0 = acc0_0,
-           acc2_1 = acc0_0, acc3_0 = acc0_0, acc3_1 = acc0_0, acc4_0 = acc0_0, acc4_1 = acc0_0, acc5_0 = acc0_0,
-           acc5_1 = acc0_0;
-    for (int64_t k = k0; k < k_end; ++k) {
-      const __m256 b0 = _mm256_load_ps(panel + k * PANEL_COLS), b1 = _mm256_load_ps(panel + k * PANEL_COLS + 8);
-#define PANEL_FMA(R)                                                 \
-  if (ROWS > R) {                                                    \
-    const __m256 x = _mm256_broadcast_ss(a + R * lda + k);           \
-    acc##R##_0 = _mm256_fmadd_ps(x, b0, acc##R##_0);                 \
-    acc##R##_1 = _mm256_fmadd_ps(x, b1, acc##R##_1);                 \
-  }
-      PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)
-#undef PANEL_FMA
-    }
-    const __m256 acc[PANEL_ROWS][2] = {{acc0_0, acc0_1}, {acc1_0, acc1_1}, {acc2_0, acc2_1},
-                                       {acc3_0, acc3_1}, {acc4_0, acc4_1}, {acc5_0, acc5_1}};
-    for (int r = 0; r < ROWS; ++r) {
-      float* s = sums + r * PANEL_COLS;
-      if (scales) {
-        const __m256 row = _mm256_set1_ps(row_scale[j * row_scale_stride + r]);
-        const float* col = scales + j * PANEL_COLS;
-        _mm256_store_ps(s, _mm256_fmadd_ps(acc[r][0], _mm256_mul_ps(row, _mm256_load_ps(col)), _mm256_load_ps(s)));
-        _mm256_store_ps(s + 8, _mm256_fmadd_ps(acc[r][1], _mm256_mul_ps(row, _mm256_load_ps(col + 8)), _mm256_load_ps(s + 8)));
-      } else {
-        _mm256_store_ps(s, _mm256_add_ps(acc[r][0], _mm256_load_ps(s)));
-        _mm256_store_ps(s + 8, _mm256_add_ps(acc[r][1], _mm256_load_ps(s + 8)));
-      }
-    }
-  }
-}
-
-/* panel_block for each number of rows, as functions of their own: inlined into the large
- * compute function, the e4m3fn copy of its loop kept an accumulator on the stack (a store
- * and a reload of it per k step) and ran at half the e5m2 copy's speed (one thread, AMD
- * EPYC Zen 3, M = 256, N = 512, K = 4096, built without -fwrapv: 25.3 ms against 12.0). */
-#define PANEL_BLOCK_FN(ROWS)                                                                                     \
-  AVX2_TARGET __attribute__((noinline)) static void panel_block_##ROWS(const float* a, int64_t lda,              \
-                                                                      const float* panel, int64_t k_len,         \
-                                                                      float* sums, const float* row_scale,       \
-                                                                      int64_t row_scale_stride,                  \
-                                                                      const float* scales) {                     \
-    panel_block(a, lda, panel, k_len, sums, row_scale, row_scale_stride, scales, ROWS);                        \
-  }
-PANEL_BLOCK_FN(1)
-PANEL_BLOCK_FN(2)
-PANEL_BLOCK_FN(3)
-PANEL_BLOCK_FN(4)
-PANEL_BLOCK_FN(5)
-PANEL_BLOCK_FN(6)
-
-/* Block-wise calls: the activations' scales as a table [block of 128 k][row] after the
- * float32 activations in the workspace, so that each block of rows finds its rows' scales
- * side by side. Looked up per block of 6 rows and 128 k, they took ~3% of a block-wise
- * call's time, more than the scaled adds of the sums (M = 256, 4096 x 4096). */
-static int64_t panel_row_scale_floats(const fp8_scaled_mm_params* p) {
-  return fp8_k_blocked(p) ? (p->k + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK * p->m : 0;
-}
-
-int64_t fp8_avx2_panel_workspace_bytes(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan) {
-  return (p->m * plan->k_padded + panel_row_scale_floats(p)) * (int64_t)sizeof(float);
-}
-
-void fp8_avx2_panel_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                            int64_t m_begin, int64_t m_end) {
-  fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p));
-  if (!fp8_k_blocked(p)) return;
-  float* row_scales = (float*)workspace + p->m * plan->k_padded;
-  const int64_t blocks = (p->k + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-  for (int64_t m = m_begin; m < m_end; ++m)
-    for (int64_t kb = 0; kb < blocks; ++kb) row_scales[kb * p->m + m] = fp8_k_block_scale_a(p, m, kb);
-}
-
-/* The tile's rows in blocks of 6 (the last one 1-6 rows) against one panel; block-wise
- * calls pass the scale_b part of the panel's blocks of 128 k (the first one kb) in
- * `scales` and the table of scale_a in `row_scales`. */
-AVX2_TARGET ALWAYS_INLINE void panel_rows(const fp8_scaled_mm_params* p, const float* a, int64_t lda, int64_t m_begin,
-                                          int64_t m_end, const float* panel, int64_t k_len, float* sums,
-                                          const float* scales, const float* row_scales, int64_t kb) {
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += PANEL_ROWS) {
-    const int rows = m_end - m0 < PANEL_ROWS ? (int)(m_end - m0) : PANEL_ROWS;
-    const float* row_scale = scales ? row_scales + kb * p->m + m0 : NULL;
-    const float* x = a + m0 * lda;
-    float* s = sums + (m0 - m_begin) * PANEL_COLS;
-    switch (rows) {
-      case 6: panel_block_6(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-      case 5: panel_block_5(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-      case 4: panel_block_4(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-      case 3: panel_block_3(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-      case 2: panel_block_2(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-      default: panel_block_1(x, lda, panel, k_len, s, row_scale, p->m, scales); break;
-    }
-  }
-}
-
-/* float32 -> bf16, round to nearest even, NaN kept quiet (as fp8_float_to_bf16). */
-AVX2_TARGET ALWAYS_INLINE __m128i float8_to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i bits = _mm256_blendv_epi8(rounded, quiet, nan);
-  /* the low 16 bits of each lane, in order */
-  const __m256i packed = _mm256_packus_epi32(bits, bits); /* values < 65536: no saturation */
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
-/* The sums of rows [m_begin, m_end) x columns n0 .. n0 + cols (cols <= 16) -> out. */
-AVX2_TARGET ALWAYS_INLINE void panel_epilogue(const fp8_scaled_mm_params* p, const float* sums, int64_t m_begin,
-                                              int64_t m_end, int64_t n0, int64_t cols) {
-  float col_scale[PANEL_COLS] __attribute__((aligned(32))), bias[PANEL_COLS] __attribute__((aligned(32)));
-  const int blocked = fp8_k_blocked(p);
-  for (int c = 0; c < PANEL_COLS; ++c) {
-    const int64_t n = n0 + (c < cols ? c : 0);
-    col_scale[c] = blocked ? 1.0f : fp8_scale_b(p, n);
-    bias[c] = p->bias ? fp8_load_float(p->bias, p->bias_dtype, n) : 0.0f;
-  }
-  for (int64_t m = m_begin; m < m_end; ++m) {
-    const float row_scale = blocked ? 1.0f : fp8_scale_a(p, m);
-    const float* s = sums + (m - m_begin) * PANEL_COLS;
-    float values[PANEL_COLS] __attribute__((aligned(32)));
-    for (int h = 0; h < PANEL_COLS; h += 8) {
-      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(row_scale), _mm256_load_ps(col_scale + h));
-      _mm256_store_ps(values + h, _mm256_fmadd_ps(_mm256_load_ps(s + h), scale, _mm256_load_ps(bias + h)));
-    }
-    const int64_t at = m * p->out_row_stride + n0;
-    if (cols == PANEL_COLS && p->out_dtype == FP8_BFLOAT16) {
-      uint16_t* out = (uint16_t*)p->out + at;
-      _mm_storeu_si128((__m128i*)out, float8_to_bf16(_mm256_load_ps(values)));
-      _mm_storeu_si128((__m128i*)(out + 8), float8_to_bf16(_mm256_load_ps(values + 8)));
-    } else if (cols == PANEL_COLS && p->out_dtype == FP8_FLOAT32) {
-      memcpy((float*)p->out + at, values, sizeof values);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) fp8_store_float(p->out, p->out_dtype, at + c, values[c]);
-    }
-  }
-}
-
-AVX2_TARGET ALWAYS_INLINE void panel_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a,
-                                             void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                             int64_t n_end, const fp8_format FORMAT) {
-  float* panel = (float*)scratch;
-  float* scales = panel + panel_floats();
-  float* sums = scales + panel_scale_floats();
-  const int64_t kp = plan->k_padded;
-  const int blocked = fp8_k_blocked(p);
-  const float* row_scales = a + p->m * kp; /* block-wise: fp8_avx2_panel_prepare's table */
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += PANEL_COLS) {
-    const int64_t cols = n_end - n0 < PANEL_COLS ? n_end - n0 : PANEL_COLS;
-    memset(sums, 0, sizeof(float) * (size_t)((m_end - m_begin) * PANEL_COLS));
-    for (int64_t k0 = 0; k0 < kp; k0 += FP8_AVX2_KC) {
-      const int64_t k_len = kp - k0 < FP8_AVX2_KC ? kp - k0 : FP8_AVX2_KC;
-      fill_panel(p, n0, n_end, k0, k_len, panel, FORMAT);
-      if (!blocked) {
-        panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, sums, NULL, NULL, 0);
-        continue;
-      }
-      /* block-wise: the scale_b part of the panel's blocks of 128 k, then the rows (each
-       * block of rows sums per block of 128 k) */
-      for (int64_t j = 0; j < k_len; j += FP8_SCALE_BLOCK) {
-        const int64_t kb = (k0 + j) / FP8_SCALE_BLOCK;
-        float* block_scales = scales + (j / FP8_SCALE_BLOCK) * PANEL_COLS;
-        for (int c = 0; c < PANEL_COLS; ++c) block_scales[c] = fp8_k_block_scale_b(p, n0 + (c < cols ? c : 0), kb);
-      }
-      panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, sums, scales, row_scales, k0 / FP8_SCALE_BLOCK);
-    }
-    panel_epilogue(p, sums, m_begin, m_end, n0, cols);
-  }
-}
-
-#define AVX2_KERNEL(FORMAT)                                                                 \
-  do {                                                                                       \
-    if (panel) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FORMAT);   \
-    else dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FORMAT, 0);                    \
-  } while (0)
 
 AVX2_TARGET void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                                   void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
@@ -630,8 +352,11 @@ AVX2_TARGET void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
     if (csr & DENORMALS_ARE_ZERO) _mm_setcsr(csr);
     return;
   }
-  const int panel = plan->method == FP8_MM_AVX2_PANEL;
-  if (p->b_format == FP8_E5M2) AVX2_KERNEL(FP8_E5M2);
-  else AVX2_KERNEL(FP8_E4M3FN); /* e4m3fn weights against float activations */
+  if (plan->method == FP8_MM_AVX2_PANEL) {
+    fp8_avx2_panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end);
+  } else if (p->b_format == FP8_E5M2) {
+    dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FP8_E5M2, 0);
+  } else {
+    dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FP8_E4M3FN, 0); /* e4m3fn against float activations */
+  }
 }
-#undef AVX2_KERNEL
