@@ -119,7 +119,7 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
  * AMX kernel at M = 1024 ran at half speed in such phases). */
 typedef enum {
   FP8_MM_SCALAR = 0,     /* any strides; decodes through tables */
-  FP8_MM_FLOAT_DOT = 1,  /* float32 FMA dot products (AVX2 / AVX-512, or float32/float16 activations) */
+  FP8_MM_FLOAT_DOT = 1,  /* AVX2 float32 FMA dot kernel: the avx2/avx512 variants, float32/float16 activations */
   FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
   FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
   FP8_MM_AMX = 4,        /* AMX tile products over the same packed activations (amx / amx_emulated variants) */

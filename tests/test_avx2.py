@@ -1,5 +1,6 @@
-"""The avx2 variant's kernels (csrc/cpu/gemm_avx2.c) at their boundaries, on any CPU with
-AVX2: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; M <= 20 for
+"""The AVX2 kernels (csrc/cpu/gemm_avx2.c, gemm_avx2_panel.c) at their boundaries, on any CPU
+with AVX2, under the avx2 variant and (where the CPU has AVX-512) the avx512 one, which runs
+the same kernels: the dot kernel (rows in blocks of 4, K in steps of 32 and blocks of 128; M <= 20 for
 e4m3fn weights against fp8 activations, M <= 16 otherwise) and the panel kernel (above;
 panels of 256 k x 16 weight rows, blocks of 6 rows, tiles of 256 rows); both routes of the
 widening (every code, NaN, subnormals with denormals flushed): the float32 route with its factors 2^100 and 2^20 and its NaN rows,
@@ -21,9 +22,12 @@ DOT_ROWS = [1, 2, 3, 4, 5, 16, 20]  # row blocks of 4 with 1-3 row tails; 16 and
 PANEL_ROWS = [17, 21, 23, 40, 257]  # blocks of 6 with tails (e4m3fn against fp8 from 21); 257: two tiles of rows
 
 
-@pytest.fixture(autouse=True)
-def _avx2():
-    with forced_cpu_variant("avx2"):
+AVX2_KERNEL_VARIANTS = [v for v in ("avx2", "avx512") if v in native().cpu_variants_supported()]
+
+
+@pytest.fixture(autouse=True, params=AVX2_KERNEL_VARIANTS)
+def _avx2(request):
+    with forced_cpu_variant(request.param):
         yield
 
 

@@ -22,7 +22,7 @@ const float* fp8_decode_table(fp8_format format) {
 }
 
 /* Activation rows -> float32 rows of plan->k_padded, zero padded, for the AVX2 kernels
- * (gemm_avx2.c); fp8 activations times fp8_factor (a power of two: exact). */
+ * (gemm_avx2.c, gemm_avx2_panel.c); fp8 activations times fp8_factor (a power of two: exact). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                        int64_t m_begin, int64_t m_end, float fp8_factor) {
   const float* decode = fp8_decode_table(p->a_format);

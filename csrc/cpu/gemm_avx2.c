@@ -338,7 +338,6 @@ AVX2_TARGET ALWAYS_INLINE void dot_rows(const fp8_scaled_mm_params* p, const fp8
 #undef DOT_ROW_BLOCKS
 #undef DOT_CALL
 
-
 AVX2_TARGET void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                                   void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
   const float* a = (const float*)workspace;
