@@ -235,3 +235,25 @@ def test_weight_only_layer_with_bf16_activations(weights):
         exact = reference.scaled_mm_float64(x, layer.weight.t(), torch.ones(()), layer.weight_scale.t(),
                                             bias=layer.bias)
         assert relative_error(out, exact) <= 1e-2
+
+
+@pytest.mark.skipif("avx512" not in AVX2_KERNEL_VARIANTS, reason="needs AVX-512")
+@pytest.mark.parametrize("m", [17, 23, 24, 25, 40, 257])  # blocks of 12 rows (AVX-512) and 6 (AVX2), with tails
+@pytest.mark.parametrize("scheme", ["tensor", "block", "float"])
+def test_avx512_panel_blocks_give_the_avx2_bits(m, scheme):
+    # the avx512 variant's panel kernel takes 12 rows per block in zmm registers, the avx2
+    # variant's 6 in ymm pairs: each output is the same float32 chain, so the same bits
+    k, n = 600, 150  # two blocks of 128 weight rows, the second partial
+    if scheme == "float":  # weight-only: float32 activations, e5m2 weights (the float16 route)
+        a, scale_a = torch.randn(m, k), torch.ones(())
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), dtype=torch.float8_e5m2, granularity="row")
+    else:
+        granularity = ("group", "block") if scheme == "block" else ("tensor", "tensor")
+        a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity=granularity[0])
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity=granularity[1])
+    outputs = []
+    for variant in ("avx2", "avx512"):
+        with forced_cpu_variant(variant):
+            outputs.append(fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32))
+    assert torch.equal(outputs[0], outputs[1])
+    assert relative_error(outputs[1], reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5

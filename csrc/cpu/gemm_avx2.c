@@ -45,12 +45,14 @@
  *   4, each block against 4 (1-2 rows) or 2 (3-4 rows) weight rows at a time, so a block
  *   is one pass over its weights, widened once; the weights in chunks that stay in L2
  *   while every block of rows passes over them.
- * - panel (gemm_avx2_panel.c; above those rows, always by the float16 route): a block of 16 weight rows x
- *   FP8_AVX2_KC k is widened and transposed once into a float32 panel ([k][16]), which a
- *   6 x 16 register block (12 accumulators, 6 broadcast activations, 2 panel loads per k)
- *   then multiplies with every activation row of the tile: the widening is paid once per
- *   tile of rows, not per row. Sums accumulate in a float32 block of the tile's rows x 16
- *   in the thread's scratch.
+ * - panel (gemm_avx2_panel.c; above those rows, always by the float16 route): a block of
+ *   16 weight rows x FP8_AVX2_KC k is widened and transposed once into a float32 panel
+ *   ([k][16]), which a 6 x 16 register block (12 accumulators, 6 broadcast activations, 2
+ *   panel loads per k; with AVX-512, 12 x 16 in 12 zmm) then multiplies with every
+ *   activation row of the tile: the widening is paid once per tile of rows, not per row.
+ *   Sums accumulate in float32 blocks of the tile's rows x 16 in the thread's scratch, for
+ *   128 weight rows at a time, so that each K panel of the activations is read from memory
+ *   once per 128 weight rows.
  * Both sum per block of FP8_SCALE_BLOCK k when a scale varies along K (block-wise). */
 #include "avx2_kernels.h"
 

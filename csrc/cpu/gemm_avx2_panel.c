@@ -2,14 +2,21 @@
  * the float16 route this one widens by; this file is its code. */
 #include "avx2_kernels.h"
 
+/* Weight rows whose sums are kept while each panel of FP8_AVX2_KC k passes over them:
+ * the tile's activations for that k (up to 256 rows x 1 KiB) are then read from memory
+ * once per PANEL_N_BLOCK weight rows and from L2 for the other panels of the block, instead
+ * of once per panel of 16 (which made the kernel stream all of its activations again for
+ * every 16 weight rows). */
+enum { PANEL_N_BLOCK = 128 };
+
 /* The scratch of the panel kernel: the panel, the scales of its k-blocks (block-wise
- * calls), and the float32 sums of the tile's rows x 16. */
+ * calls), and the float32 sums of the tile's rows x PANEL_N_BLOCK, by panel of 16. */
 static int64_t panel_floats(void) { return (int64_t)FP8_AVX2_KC * PANEL_COLS; }
 static int64_t panel_scale_floats(void) { return (int64_t)FP8_AVX2_KC / FP8_SCALE_BLOCK * PANEL_COLS; }
 
 int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan) {
   if (plan->method != FP8_MM_AVX2_PANEL) return 0;
-  return (panel_floats() + panel_scale_floats() + plan->tile_m * PANEL_COLS) * (int64_t)sizeof(float);
+  return (panel_floats() + panel_scale_floats() + plan->tile_m * PANEL_N_BLOCK) * (int64_t)sizeof(float);
 }
 
 /* 8 x 8 floats: v[i] holds row i on entry, column i on return. */
@@ -117,6 +124,72 @@ PANEL_BLOCK_FN(4)
 PANEL_BLOCK_FN(5)
 PANEL_BLOCK_FN(6)
 
+/* The same blocks with AVX-512 (the avx512 variant and above: AVX-512 CPUs without
+ * AVX512-BF16, and float32/float16 activations on the bf16 variants). One zmm holds a panel
+ * row's 16 columns, so a block takes up to 12 activation rows (12 accumulators, one panel
+ * load and 12 broadcasts per k) where the AVX2 block takes 6 rows in two ymm each. Every
+ * output is the same float32 chain in k order with the same scaling per block of 128 k, so
+ * both give the same bits (test_avx2.py compares them). */
+#define AVX512_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+enum { PANEL_ROWS_512 = 12 };
+
+AVX512_TARGET ALWAYS_INLINE void panel_block512(const float* a, int64_t lda, const float* panel, int64_t k_len,
+                                                float* sums, const float* row_scale, int64_t row_scale_stride,
+                                                const float* scales, const int ROWS) {
+  const int64_t step = scales ? FP8_SCALE_BLOCK : k_len;
+  for (int64_t k0 = 0, j = 0; k0 < k_len; k0 += step, ++j) {
+    const int64_t k_end = k_len - k0 < step ? k_len : k0 + step;
+    /* named variables, as in panel_block */
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
+           acc6 = acc0, acc7 = acc0, acc8 = acc0, acc9 = acc0, acc10 = acc0, acc11 = acc0;
+    for (int64_t k = k0; k < k_end; ++k) {
+      const __m512 b = _mm512_loadu_ps(panel + k * PANEL_COLS);
+#define PANEL_FMA512(R) \
+  if (ROWS > R) acc##R = _mm512_fmadd_ps(_mm512_set1_ps(a[R * lda + k]), b, acc##R);
+      PANEL_FMA512(0) PANEL_FMA512(1) PANEL_FMA512(2) PANEL_FMA512(3) PANEL_FMA512(4) PANEL_FMA512(5)
+      PANEL_FMA512(6) PANEL_FMA512(7) PANEL_FMA512(8) PANEL_FMA512(9) PANEL_FMA512(10) PANEL_FMA512(11)
+#undef PANEL_FMA512
+    }
+    const __m512 acc[PANEL_ROWS_512] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11};
+    for (int r = 0; r < ROWS; ++r) {
+      float* s = sums + r * PANEL_COLS;
+      if (scales) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(row_scale[j * row_scale_stride + r]),
+                                           _mm512_loadu_ps(scales + j * PANEL_COLS));
+        _mm512_storeu_ps(s, _mm512_fmadd_ps(acc[r], scale, _mm512_loadu_ps(s)));
+      } else {
+        _mm512_storeu_ps(s, _mm512_add_ps(acc[r], _mm512_loadu_ps(s)));
+      }
+    }
+  }
+}
+
+#define PANEL_BLOCK512_FN(ROWS)                                                                                  \
+  AVX512_TARGET __attribute__((noinline)) static void panel_block512_##ROWS(                                    \
+      const float* a, int64_t lda, const float* panel, int64_t k_len, float* sums, const float* row_scale,       \
+      int64_t row_scale_stride, const float* scales) {                                                          \
+    panel_block512(a, lda, panel, k_len, sums, row_scale, row_scale_stride, scales, ROWS);                     \
+  }
+PANEL_BLOCK512_FN(1)
+PANEL_BLOCK512_FN(2)
+PANEL_BLOCK512_FN(3)
+PANEL_BLOCK512_FN(4)
+PANEL_BLOCK512_FN(5)
+PANEL_BLOCK512_FN(6)
+PANEL_BLOCK512_FN(7)
+PANEL_BLOCK512_FN(8)
+PANEL_BLOCK512_FN(9)
+PANEL_BLOCK512_FN(10)
+PANEL_BLOCK512_FN(11)
+PANEL_BLOCK512_FN(12)
+
+typedef void (*panel_block512_fn)(const float*, int64_t, const float*, int64_t, float*, const float*, int64_t,
+                                  const float*);
+static const panel_block512_fn panel_blocks512[PANEL_ROWS_512 + 1] = {
+    NULL,             panel_block512_1, panel_block512_2, panel_block512_3,  panel_block512_4,
+    panel_block512_5, panel_block512_6, panel_block512_7, panel_block512_8,  panel_block512_9,
+    panel_block512_10, panel_block512_11, panel_block512_12};
+
 /* Block-wise calls: the activations' scales as a table [block of 128 k][row] after the
  * float32 activations in the workspace, so that each block of rows finds its rows' scales
  * side by side. Looked up per block of 6 rows and 128 k, they took ~3% of a block-wise
@@ -139,12 +212,20 @@ void fp8_avx2_panel_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan
     for (int64_t kb = 0; kb < blocks; ++kb) row_scales[kb * p->m + m] = fp8_k_block_scale_a(p, m, kb);
 }
 
-/* The tile's rows in blocks of 6 (the last one 1-6 rows) against one panel; block-wise
+/* The tile's rows in blocks of 6 (the last one 1-6 rows; `wide`: 12 with AVX-512) against one panel; block-wise
  * calls pass the scale_b part of the panel's blocks of 128 k (the first one kb) in
  * `scales` and the table of scale_a in `row_scales`. */
 AVX2_TARGET ALWAYS_INLINE void panel_rows(const fp8_scaled_mm_params* p, const float* a, int64_t lda, int64_t m_begin,
                                           int64_t m_end, const float* panel, int64_t k_len, float* sums,
-                                          const float* scales, const float* row_scales, int64_t kb) {
+                                          const float* scales, const float* row_scales, int64_t kb, const int wide) {
+  if (wide) { /* AVX-512: blocks of 12 rows (the last one 1-12) */
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += PANEL_ROWS_512) {
+      const int rows = m_end - m0 < PANEL_ROWS_512 ? (int)(m_end - m0) : PANEL_ROWS_512;
+      panel_blocks512[rows](a + m0 * lda, lda, panel, k_len, sums + (m0 - m_begin) * PANEL_COLS,
+                            scales ? row_scales + kb * p->m + m0 : NULL, p->m, scales);
+    }
+    return;
+  }
   for (int64_t m0 = m_begin; m0 < m_end; m0 += PANEL_ROWS) {
     const int rows = m_end - m0 < PANEL_ROWS ? (int)(m_end - m0) : PANEL_ROWS;
     const float* row_scale = scales ? row_scales + kb * p->m + m0 : NULL;
@@ -207,38 +288,47 @@ AVX2_TARGET ALWAYS_INLINE void panel_epilogue(const fp8_scaled_mm_params* p, con
 
 AVX2_TARGET ALWAYS_INLINE void panel_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a,
                                              void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                             int64_t n_end, const fp8_format FORMAT) {
+                                             int64_t n_end, const fp8_format FORMAT, const int wide) {
   float* panel = (float*)scratch;
   float* scales = panel + panel_floats();
   float* sums = scales + panel_scale_floats();
   const int64_t kp = plan->k_padded;
   const int blocked = fp8_k_blocked(p);
   const float* row_scales = a + p->m * kp; /* block-wise: fp8_avx2_panel_prepare's table */
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += PANEL_COLS) {
-    const int64_t cols = n_end - n0 < PANEL_COLS ? n_end - n0 : PANEL_COLS;
-    memset(sums, 0, sizeof(float) * (size_t)((m_end - m_begin) * PANEL_COLS));
+  const int64_t panel_sums = (m_end - m_begin) * PANEL_COLS; /* floats per panel of 16 weight rows */
+  for (int64_t block = n_begin; block < n_end; block += PANEL_N_BLOCK) {
+    const int64_t block_end = n_end - block < PANEL_N_BLOCK ? n_end : block + PANEL_N_BLOCK;
+    const int64_t panels = (block_end - block + PANEL_COLS - 1) / PANEL_COLS;
+    memset(sums, 0, sizeof(float) * (size_t)(panels * panel_sums));
     for (int64_t k0 = 0; k0 < kp; k0 += FP8_AVX2_KC) {
       const int64_t k_len = kp - k0 < FP8_AVX2_KC ? kp - k0 : FP8_AVX2_KC;
-      fill_panel(p, n0, n_end, k0, k_len, panel, FORMAT);
-      if (!blocked) {
-        panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, sums, NULL, NULL, 0);
-        continue;
+      for (int64_t n0 = block; n0 < block_end; n0 += PANEL_COLS) {
+        float* s = sums + (n0 - block) / PANEL_COLS * panel_sums;
+        fill_panel(p, n0, n_end, k0, k_len, panel, FORMAT);
+        if (!blocked) {
+          panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, s, NULL, NULL, 0, wide);
+          continue;
+        }
+        /* block-wise: the scale_b part of the panel's blocks of 128 k, then the rows (each
+         * block of rows sums per block of 128 k) */
+        const int64_t cols = n_end - n0 < PANEL_COLS ? n_end - n0 : PANEL_COLS;
+        for (int64_t j = 0; j < k_len; j += FP8_SCALE_BLOCK) {
+          const int64_t kb = (k0 + j) / FP8_SCALE_BLOCK;
+          float* block_scales = scales + (j / FP8_SCALE_BLOCK) * PANEL_COLS;
+          for (int c = 0; c < PANEL_COLS; ++c) block_scales[c] = fp8_k_block_scale_b(p, n0 + (c < cols ? c : 0), kb);
+        }
+        panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, s, scales, row_scales, k0 / FP8_SCALE_BLOCK, wide);
       }
-      /* block-wise: the scale_b part of the panel's blocks of 128 k, then the rows (each
-       * block of rows sums per block of 128 k) */
-      for (int64_t j = 0; j < k_len; j += FP8_SCALE_BLOCK) {
-        const int64_t kb = (k0 + j) / FP8_SCALE_BLOCK;
-        float* block_scales = scales + (j / FP8_SCALE_BLOCK) * PANEL_COLS;
-        for (int c = 0; c < PANEL_COLS; ++c) block_scales[c] = fp8_k_block_scale_b(p, n0 + (c < cols ? c : 0), kb);
-      }
-      panel_rows(p, a + k0, kp, m_begin, m_end, panel, k_len, sums, scales, row_scales, k0 / FP8_SCALE_BLOCK);
     }
-    panel_epilogue(p, sums, m_begin, m_end, n0, cols);
+    for (int64_t n0 = block; n0 < block_end; n0 += PANEL_COLS)
+      panel_epilogue(p, sums + (n0 - block) / PANEL_COLS * panel_sums, m_begin, m_end, n0,
+                     n_end - n0 < PANEL_COLS ? n_end - n0 : PANEL_COLS);
   }
 }
 
 AVX2_TARGET void fp8_avx2_panel_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const float* a,
                                         void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
-  if (p->b_format == FP8_E5M2) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E5M2);
-  else panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E4M3FN);
+  const int wide = plan->variant >= FP8_CPU_AVX512; /* every variant from avx512 has AVX-512F */
+  if (p->b_format == FP8_E5M2) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E5M2, wide);
+  else panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E4M3FN, wide);
 }
