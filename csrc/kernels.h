@@ -159,6 +159,9 @@ uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
 #define FP8_SCALE_LOAD(pointer) (*(pointer))
 #endif
 
+/* Bytes per element of a float dtype: 4 for float32, 2 for bf16 and fp16. */
+static inline FP8_HOST_DEVICE int64_t fp8_float_bytes(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
+
 /* Whether either scale varies along K (block-wise scaling). */
 static inline FP8_HOST_DEVICE int fp8_k_blocked(const fp8_scaled_mm_params* p) {
   return p->scale_a_blocked || p->scale_b_blocked;

@@ -40,12 +40,10 @@ static fp8_span_quantize_fn pick_quantize(void) {
   }
 }
 
-static int64_t element_size(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
-
 void fp8_cpu_row_amax(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
                       int64_t col_begin, int64_t col_end, float* row_amax) {
   const fp8_span_amax_fn span_amax = pick_amax();
-  const int64_t size = element_size(p->x_dtype);
+  const int64_t size = fp8_float_bytes(p->x_dtype);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const char* row = (const char*)p->x + (r * p->x_row_stride + col_begin * p->x_col_stride) * size;
     uint32_t bits = 0;
@@ -65,7 +63,7 @@ void fp8_cpu_quantize(const fp8_quantize_params* p, int64_t row_begin, int64_t r
                       int64_t col_begin, int64_t col_end, const float* scale,
                       int64_t scale_row_stride) {
   const fp8_span_quantize_fn span_quantize = pick_quantize();
-  const int64_t size = element_size(p->x_dtype);
+  const int64_t size = fp8_float_bytes(p->x_dtype);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const char* row = (const char*)p->x + (r * p->x_row_stride + col_begin * p->x_col_stride) * size;
     uint8_t* q = p->q + r * p->cols + col_begin;
@@ -84,7 +82,7 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
                              float* scales, int dynamic, float (*scale_of)(float amax, fp8_format format)) {
   const fp8_span_amax_fn span_amax = pick_amax();
   const fp8_span_quantize_fn span_quantize = pick_quantize();
-  const int64_t size = element_size(p->x_dtype);
+  const int64_t size = fp8_float_bytes(p->x_dtype);
   const int64_t groups = (p->cols + group - 1) / group;
   /* AVX-512: a row at a time, all its amaxes, then all its scales, then all its codes
    * (up to CHUNK groups at a time); the others group by group */

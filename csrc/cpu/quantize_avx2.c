@@ -32,7 +32,7 @@ AVX2_TARGET uint32_t fp8_span_amax_avx2(const void* x, fp8_float_dtype dtype, in
   }
   uint32_t lanes[8];
   _mm256_storeu_si256((__m256i*)lanes, _mm256_max_epi32(amax0, amax1));
-  uint32_t amax_bits = fp8_span_amax_scalar((const char*)x + i * (dtype == FP8_FLOAT32 ? 4 : 2), dtype, n - i);
+  uint32_t amax_bits = fp8_span_amax_scalar((const char*)x + i * fp8_float_bytes(dtype), dtype, n - i);
   for (int l = 0; l < 8; ++l)
     if (lanes[l] > amax_bits) amax_bits = lanes[l];
   return amax_bits;
@@ -73,6 +73,6 @@ AVX2_TARGET void fp8_span_quantize_avx2(const void* x, fp8_float_dtype dtype, in
     const __m256 y = _mm256_div_ps(load8(x, dtype, i), divisor);
     _mm_storel_epi64((__m128i*)(q + i), encode8(y, format));
   }
-  fp8_span_quantize_scalar((const char*)x + i * (dtype == FP8_FLOAT32 ? 4 : 2), dtype, n - i,
+  fp8_span_quantize_scalar((const char*)x + i * fp8_float_bytes(dtype), dtype, n - i,
                            scale, q + i, format);
 }

@@ -69,7 +69,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) uint32_t amax_span(co
   /* two accumulators hide the max latency */
   __m512i amax0 = _mm512_setzero_si512(), amax1 = _mm512_setzero_si512();
   const char* bytes = (const char*)x;
-  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
+  const int64_t size = fp8_float_bytes(dtype);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     prefetch_ahead(bytes + i * size, size);
@@ -142,7 +142,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void quantize_span(co
   const encode_constants c = *constants;
   const __m512 divisor = _mm512_set1_ps(scale);
   const char* bytes = (const char*)x;
-  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
+  const int64_t size = fp8_float_bytes(dtype);
   int64_t i = 0;
   if (dtype == FP8_BFLOAT16) {
     /* 32 bf16 at a time, split into even and odd elements by shifts (no shuffles:
@@ -195,7 +195,7 @@ AVX512_TARGET void fp8_span_quantize_avx512(const void* x, fp8_float_dtype dtype
  * bound by its vector instructions, not by the divider. */
 AVX512_TARGET void fp8_span_amax_groups_avx512(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
                                                uint32_t* amax_bits) {
-  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
+  const int64_t size = fp8_float_bytes(dtype);
   for (int64_t c = 0, g = 0; c < n; c += group, ++g) {
     const int64_t length = n - c < group ? n - c : group;
     amax_bits[g] = amax_span((const char*)x + c * size, dtype, length);
@@ -205,7 +205,7 @@ AVX512_TARGET void fp8_span_amax_groups_avx512(const void* x, fp8_float_dtype dt
 AVX512_TARGET void fp8_span_quantize_groups_avx512(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
                                                    const float* scales, uint8_t* q, fp8_format format) {
   const encode_constants c = make_constants(format);
-  const int64_t size = dtype == FP8_FLOAT32 ? 4 : 2;
+  const int64_t size = fp8_float_bytes(dtype);
   for (int64_t i = 0, g = 0; i < n; i += group, ++g)
     quantize_span((const char*)x + i * size, dtype, n - i < group ? n - i : group, scales[g], q + i, &c);
 }

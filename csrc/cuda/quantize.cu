@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
 }
 
 QuantizeArgs args_of(const fp8_quantize_params* p) {
-  const int64_t element_bytes = p->x_dtype == FP8_FLOAT32 ? 4 : 2;
+  const int64_t element_bytes = fp8_float_bytes(p->x_dtype);
   const int64_t size = 16 / element_bytes;
   QuantizeArgs args{p->x, p->rows, p->cols, p->x_row_stride, p->x_col_stride, p->q, false};
   // Every full chunk must start on a 16-byte boundary of x and a `size`-byte boundary of q.

@@ -33,14 +33,12 @@ int capability(int major, int minor) { return major * 10 + minor; }
 // make at most 32768 of them. Larger calls are launched in parts of this many rows.
 constexpr int64_t kMaxLaunchRows = int64_t{1} << 20;
 
-int64_t float_bytes(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
-
 // The call restricted to rows [m0, m1) of a, scale_a and out.
 fp8_scaled_mm_params rows_of(const fp8_scaled_mm_params* p, int64_t m0, int64_t m1) {
   fp8_scaled_mm_params part = *p;
-  const int64_t a_bytes = p->a_is_float ? float_bytes(p->a_float_dtype) : 1;
+  const int64_t a_bytes = p->a_is_float ? fp8_float_bytes(p->a_float_dtype) : 1;
   part.a = static_cast<const char*>(p->a) + m0 * p->a_row_stride * a_bytes;
-  part.out = static_cast<char*>(p->out) + m0 * p->out_row_stride * float_bytes(p->out_dtype);
+  part.out = static_cast<char*>(p->out) + m0 * p->out_row_stride * fp8_float_bytes(p->out_dtype);
   part.scale_a = p->scale_a + (p->scale_a_blocked ? m0 * p->scale_a_row_stride : p->scale_a_per_row ? m0 : 0);
   part.m = m1 - m0;
   return part;
