@@ -103,7 +103,7 @@ if [ "$status_build" = ok ]; then
   "$PYTHON" -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout=60)
   # no early stop: tests run path by path, so stopping at the first failures would hide the later paths
   if timeout "$(step_timeout 240 120)" "$PYTHON" -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" tests/test_cuda.py \
-      --junitxml="$OUT/junit.xml" > "$OUT/tests.tmp" 2>&1; then
+      tests/test_cuda_quantize.py --junitxml="$OUT/junit.xml" > "$OUT/tests.tmp" 2>&1; then
     status_tests=ok
   else
     status_tests=FAILED
@@ -128,7 +128,7 @@ if [ "$status_build" = ok ]; then
   if command -v compute-sanitizer > /dev/null && (( left >= 60 )); then
     section "memcheck (${left}s)"
     if PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$left" compute-sanitizer --tool memcheck --error-exitcode 99 \
-        "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_quantize.py \
         -k "single_row or k_zero or empty or strides or nan_propagates" >> "$LOG" 2>&1; then
       status_memcheck=ok
     else
