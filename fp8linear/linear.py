@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import sys
 import threading
 import weakref
 
@@ -84,13 +85,18 @@ _KERNEL_DTYPES = frozenset(ops.FLOAT_DTYPES)  # activation dtypes the kernels ta
 _ACTIVATION_OP_GRANULARITY = {"tensor": "tensor", "token": "row", "group": "group"}
 _WEIGHT_OP_GRANULARITY = {"tensor": "tensor", "channel": "row", "block": "block"}
 _AUTOCAST_DEVICES = frozenset(("cpu", "cuda"))  # torch.is_autocast_enabled refuses "meta"
-# Up to this many rows (tokens) a forward without autograd is one call of ops.linear, the
-# quantization and the product composed in C++: at decode the Python around two op calls
-# cost more than the kernels of a small layer (SmolLM2 on an AMD EPYC Zen 3, a 64 x 64
-# layer at M = 1: ~40 us a call, ~16 of them the two calls). Larger inputs take the two
-# ops from Python, where q, k and v (and gate and up) share one quantization of their
-# input (_LastQuantizedInput), which saves more than the calls cost at prompt sizes.
+# A forward without autograd, outside torch.compile, is one native call (the fast path,
+# forward): the quantization and the product composed in C++, the checks in C++. At decode
+# the Python around two op calls cost more than the kernels of a small layer (SmolLM2 on
+# an AMD EPYC Zen 3, a 64 x 64 layer at M = 1: ~40 us a call, ~16 of them the two calls);
+# at prompt sizes it cost 12-40 us a call as well (Intel Xeon with AMX, 576 x 576 at M = 64
+# and 512), 5% of SmolLM2's prefill. Above _FUSED_MAX_ROWS rows (tokens), CPU inputs with
+# dynamic activations are quantized once for the layers fed the same tensor (q, k and v;
+# gate and up: _LastQuantizedInput); at or below it, a quantization in C costs less than
+# the reuse's bookkeeping in Python. _FAST_MAX_ROWS caps the fast path (tests set it to -1
+# to compare it with the full path).
 _FUSED_MAX_ROWS = 16
+_FAST_MAX_ROWS = sys.maxsize
 _LINEAR_ACTIVATIONS = ops.LINEAR_ACTIVATIONS
 _LINEAR_GRANULARITIES = ops.LINEAR_GRANULARITIES
 # FP8Linear's fast path (forward) reads fp8linear.backend's settled devices (the module by
@@ -133,6 +139,24 @@ def _forget_callback(state: dict):
     return forget
 
 
+def _kept_quantization(source: torch.Tensor, key: tuple):
+    """(version, the kept (q, scale) of ``source`` under ``key``, or None): the reuse
+    described in _LastQuantizedInput, for a CPU tensor outside inference mode."""
+    entry = _LAST_QUANTIZED.entry
+    version = source._version
+    if entry is not None and entry[0]() is source and entry[1] == version and entry[2] == key:
+        return version, entry[3]
+    return version, None
+
+
+def _keep_quantization(source: torch.Tensor, version: int, key: tuple, quantized) -> None:
+    holder = _LAST_QUANTIZED
+    forget = holder.forget
+    if forget is None:
+        forget = holder.forget = _forget_callback(holder.__dict__)
+    holder.entry = (weakref.ref(source, forget), version, key, quantized)
+
+
 def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP8Config):
     """ops.quantize_fp8 of x2d with dynamic scales; ``source`` (the layer's input, of
     which x2d is the 2-D view) allows the reuse described in _LastQuantizedInput."""
@@ -142,17 +166,29 @@ def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP
                 and not source.is_inference())
     if not reusable:
         return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-    holder = _LAST_QUANTIZED
-    entry = holder.entry
-    version = source._version
-    if entry is not None and entry[0]() is source and entry[1] == version and entry[2] == key:
-        return entry[3]
-    quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-    forget = holder.forget
-    if forget is None:
-        forget = holder.forget = _forget_callback(holder.__dict__)
-    holder.entry = (weakref.ref(source, forget), version, key, quantized)
+    version, quantized = _kept_quantization(source, key)
+    if quantized is None:
+        quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+        _keep_quantization(source, version, key, quantized)
     return quantized
+
+
+def _fast_dynamic_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, granularity: int, key: tuple) -> torch.Tensor | None:
+    """The fast path of a layer with dynamic activations on a CPU input of more than
+    _FUSED_MAX_ROWS rows: ops.dynamic_linear_if_plain with the reuse of _LastQuantizedInput
+    (the same entries as the full path's _quantize_dynamic); None where the full path runs."""
+    if x.is_inference():  # no version counter: never reused
+        version, quantized = None, None
+    else:
+        version, quantized = _kept_quantization(x, key)
+    result = ops.dynamic_linear_if_plain(x, weight, weight_scale, bias, granularity, quantized, _FAST_MAX_ROWS)
+    if result is None:
+        return None
+    out, used = result
+    if version is not None and quantized is None:
+        _keep_quantization(x, version, key, used)
+    return out
 
 
 def _product(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -374,6 +410,9 @@ class FP8Linear(nn.Module):
         through the flag, _fast_scale."""
         config = self.config
         self._linear_codes = (_LINEAR_ACTIVATIONS[config.activations], _LINEAR_GRANULARITIES[config.activation_granularity])
+        # _LastQuantizedInput's key for dynamic activations, None for the others
+        self._reuse_key = ((config.fp8_dtype, _ACTIVATION_OP_GRANULARITY[config.activation_granularity])
+                           if config.activations == "dynamic" else None)
         self._input_scale_ready = ready
 
     @property
@@ -452,18 +491,23 @@ class FP8Linear(nn.Module):
         # 1.4 us of a 16.7 us call (64 x 64, M = 1, Intel Xeon with AMX).
         parameters, buffers = self._parameters, self._buffers
         weight, bias = parameters["weight"], parameters["bias"]
-        # The fast path: a decode-sized eager call whose device has had its path settled is
-        # one native call, which also makes the tests it needs (ops.linear_if_plain), or
-        # returns None for the full path below. In decode each layer's Python runs with cold
+        # The fast path: an eager call whose device has had its path settled is one native
+        # call, which also makes the tests it needs (ops.linear_if_plain, or for inputs
+        # whose quantization sibling layers reuse ops.dynamic_linear_if_plain), or returns
+        # None for the full path below. In decode each layer's Python runs with cold
         # caches (the weights streamed in between evict them): on SmolLM2's 192 x 576 layers
         # at M = 1 (AMD EPYC Zen 3, 2 threads, cycling through 200 MB of layers) the full
         # path took 44.9 us a call, this one 26.9, bf16 nn.Linear 27.9 (docs/design.md,
         # forward, item 8).
-        if (not _is_compiling() and (scale_buffer := self._fast_scale) is not None and x.device in _backend._settled
-                and (out := ops.linear_if_plain(x, weight, buffers["weight_scale"], bias,
-                                                buffers[scale_buffer] if scale_buffer else None, *self._linear_codes,
-                                                _FUSED_MAX_ROWS)) is not None):
-            return out
+        if not _is_compiling() and (scale_buffer := self._fast_scale) is not None and x.device in _backend._settled:
+            if (key := self._reuse_key) is not None and x.is_cpu and x.numel() > _FUSED_MAX_ROWS * self.in_features:
+                out = _fast_dynamic_linear(x, weight, buffers["weight_scale"], bias, self._linear_codes[1], key)
+            else:
+                out = ops.linear_if_plain(x, weight, buffers["weight_scale"], bias,
+                                          buffers[scale_buffer] if scale_buffer else None, *self._linear_codes,
+                                          _FAST_MAX_ROWS)
+            if out is not None:
+                return out
         device = x.device
         warn_once_if_not_native(device)
         in_features = self.in_features

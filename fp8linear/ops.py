@@ -156,12 +156,28 @@ def linear_if_plain(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     activation_scale: torch.Tensor | None, activations: int, granularity: int,
                     max_rows: int) -> torch.Tensor | None:
     """FP8Linear's fast path: :func:`linear` called from C++ through the dispatcher (~2 us
-    less than the boxed torch.ops call) for an input of at most ``max_rows`` rows that is a
+    less than the boxed torch.ops call, and below autograd's dispatch keys, whose boxed
+    fallback the ops would take otherwise) for an input of at most ``max_rows`` rows that is a
     plain float32/bfloat16/float16 CPU or CUDA tensor of the weight's in_features, with no
     autograd to record and no autocast, torch function or dispatch mode on (the full list
     of cases is linear_if_plain's in csrc/bindings/ops.cpp); None otherwise (the caller
     takes its full path). Outside torch.compile only."""
     return native().linear_if_plain(x, weight, weight_scale, bias, activation_scale, activations, granularity, max_rows)
+
+
+def dynamic_linear_if_plain(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: torch.Tensor | None, granularity: int,
+                            quantized: tuple[torch.Tensor, torch.Tensor] | None, max_rows: int
+                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    """:func:`linear_if_plain` for a layer with dynamic activations, reusing ``quantized``,
+    the ``(q, scale)`` an earlier layer made of this same ``x`` with this granularity and
+    the weight's fp8 dtype, or quantizing ``x`` if it is None. Returns
+    ``(out, (q, scale))``, the quantization used, for the next layer fed ``x``; or None
+    where linear_if_plain would. The caller vouches for ``quantized`` (FP8Linear's
+    _LastQuantizedInput)."""
+    q, scale = quantized if quantized is not None else (None, None)
+    result = native().dynamic_linear_if_plain(x, weight, weight_scale, bias, granularity, q, scale, max_rows)
+    return None if result is None else (result[0], (result[1], result[2]))
 
 
 def _check(condition: bool, message: str) -> None:

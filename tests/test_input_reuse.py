@@ -3,8 +3,10 @@ dynamic quantization of a CPU input is kept per thread while that tensor lives
 unmodified, and reused by the next layer that quantizes it the same way. These tests
 check that the reuse happens, and that it never returns a stale or foreign result.
 The reuse is for inputs above FP8Linear's fused size (more than 16 rows); smaller ones
-take one ops.linear call, which quantizes in C++ (test_linear.py checks it against the
-two ops), so the inputs here have 20 rows or more."""
+quantize their own input in C++ (test_linear.py checks that path against the two ops),
+so the inputs here have 20 rows or more. Both of forward's paths reuse: the fast one
+(ops.dynamic_linear_if_plain, a native call) and the full one (ops.quantize_fp8, then
+ops.scaled_mm, taken under autocast, torch function modes and the like)."""
 import gc
 import threading
 
@@ -18,11 +20,13 @@ from fp8linear import linear as linear_module
 
 
 class QuantizeCalls:
-    """Counts ops.quantize_fp8 calls; make layers with `layers`, which zeroes the count
-    after quantizing their weights through it too."""
+    """Counts the quantizations of activations, on both of forward's paths; make layers
+    with `layers`, which zeroes the count after quantizing their weights."""
 
     def __init__(self):
         self.count = 0
+        self.fast_calls = 0  # forward calls the fast path answered with reuse (ops.dynamic_linear_if_plain)
+        self.path = "fast"
 
     def layers(self, scheme="per-tensor", sizes=(24, 40, 8), in_features=72):
         torch.manual_seed(0)
@@ -31,16 +35,39 @@ class QuantizeCalls:
         return made
 
 
-@pytest.fixture
-def quantize_calls(monkeypatch):
+@pytest.fixture(params=["fast", "full"])
+def quantize_calls(monkeypatch, request):
+    """The count, with forward's fast path (the default) or with its full path only."""
     calls = QuantizeCalls()
-    original = ops.quantize_fp8
+    original_quantize = ops.quantize_fp8
+    original_dynamic = ops.dynamic_linear_if_plain
+    original_linear = ops.linear_if_plain
 
-    def counting(*args, **kwargs):
+    def counting_quantize(*args, **kwargs):
         calls.count += 1
-        return original(*args, **kwargs)
+        return original_quantize(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "quantize_fp8", counting)
+    def counting_dynamic(x, weight, weight_scale, bias, granularity, quantized, max_rows):
+        result = original_dynamic(x, weight, weight_scale, bias, granularity, quantized, max_rows)
+        if result is not None:
+            calls.fast_calls += 1
+            calls.count += quantized is None  # it quantized x itself
+        return result
+
+    def counting_linear(*args):
+        result = original_linear(*args)
+        if result is not None and args[5] == ops.LINEAR_ACTIVATIONS["dynamic"]:
+            calls.count += 1
+        return result
+
+    monkeypatch.setattr(ops, "quantize_fp8", counting_quantize)
+    monkeypatch.setattr(ops, "dynamic_linear_if_plain", counting_dynamic)
+    monkeypatch.setattr(ops, "linear_if_plain", counting_linear)
+    calls.path = request.param
+    if request.param == "full":
+        monkeypatch.setattr(linear_module, "_FAST_MAX_ROWS", -1)
+    with torch.no_grad():  # settles the CPU's path (forward's first call on a device takes the full one)
+        FP8Linear.from_linear(nn.Linear(8, 8))(torch.randn(1, 8))
     linear_module._LAST_QUANTIZED.entry = None
     yield calls
     linear_module._LAST_QUANTIZED.entry = None
@@ -58,6 +85,7 @@ def test_siblings_quantize_a_shared_input_once_with_the_same_outputs(quantize_ca
     with torch.no_grad():
         outputs = [q(x), k(x), v(x)]
         assert quantize_calls.count == 1
+        assert quantize_calls.fast_calls == (3 if quantize_calls.path == "fast" else 0)
         expected = [fresh(layer, x) for layer in (q, k, v)]
     for out, reference in zip(outputs, expected):
         assert torch.equal(out, reference)

@@ -148,11 +148,13 @@ FUSED_SCHEMES = {
 
 @pytest.mark.parametrize("scheme", list(FUSED_SCHEMES))
 @pytest.mark.parametrize("dtype", (*FLOAT_DTYPES, torch.float64))
-@pytest.mark.parametrize("shape", [(300,), (0, 300), (1, 300), (5, 300), (16, 300), (2, 3, 300), (2, 8, 300)])
+@pytest.mark.parametrize("shape", [(300,), (0, 300), (1, 300), (5, 300), (16, 300), (2, 3, 300), (2, 8, 300),
+                                   (17, 300), (3, 7, 300)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape, bias, cpu_variant):
-    # up to 16 rows the forward is one ops.linear call (quantization and product composed
-    # in C++); it must give the bits of the two-op path that larger inputs take
+def test_fast_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape, bias, cpu_variant):
+    # without autograd the forward is one native call (quantization and product composed
+    # in C++; above 16 rows with the reuse of the input's dynamic quantization): it must
+    # give the bits of the full path, two op calls from Python
     from fp8linear import linear as linear_module
 
     layer = FP8Linear.from_linear(nn.Linear(300, 136, bias=bias), **FUSED_SCHEMES[scheme])  # 136: a partial block
@@ -161,47 +163,62 @@ def test_fused_decode_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape
     x = (torch.randn(shape) * 3).to(dtype)
     with torch.no_grad():
         layer(x)  # settles the device's path: the next call takes the fast path where it applies
-        fused = layer(x)
+        linear_module._LAST_QUANTIZED.entry = None
+        fast = layer(x.clone())  # a fresh tensor: quantized in the native call
+        fast_reused = layer(x)  # the quantization kept by the first call, where one is kept
         monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", -1)  # -1: 0 rows too
+        monkeypatch.setattr(linear_module, "_FAST_MAX_ROWS", -1)
+        linear_module._LAST_QUANTIZED.entry = None
         two_ops = layer(x)
-    assert fused.dtype == dtype and fused.shape == (*shape[:-1], 136)
-    assert torch.equal(fused, two_ops)
+    assert fast.dtype == dtype and fast.shape == (*shape[:-1], 136)
+    assert torch.equal(fast, two_ops) and torch.equal(fast_reused, two_ops)
 
 
-def calls_of_fast_path(monkeypatch, calls: list) -> list:
-    """Appends to `calls` the input shape of each forward FP8Linear's fast path ran."""
+def calls_of_fast_path(monkeypatch, calls: list, reusing: list | None = None) -> list:
+    """Appends to `calls` the input shape of each forward FP8Linear's fast path ran (those
+    of ops.dynamic_linear_if_plain, the path that reuses sibling layers' quantization, to
+    `reusing` instead if given)."""
     from fp8linear import ops
 
-    original = ops.linear_if_plain
+    def counted(original, into):
+        def call(*args):
+            out = original(*args)
+            if out is not None:
+                into.append(args[0].shape)
+            return out
+        return call
 
-    def counted(*args):
-        out = original(*args)
-        if out is not None:
-            calls.append(args[0].shape)
-        return out
-
-    monkeypatch.setattr(ops, "linear_if_plain", counted)
+    monkeypatch.setattr(ops, "linear_if_plain", counted(ops.linear_if_plain, calls))
+    monkeypatch.setattr(ops, "dynamic_linear_if_plain",
+                        counted(ops.dynamic_linear_if_plain, calls if reusing is None else reusing))
     return calls
 
 
-def test_the_fused_path_is_taken_up_to_16_rows(monkeypatch):
-    from fp8linear import ops
-
-    calls = []
-    original = ops.linear
-    monkeypatch.setattr(ops, "linear", lambda *args: calls.append(args[0].shape) or original(*args))
-    calls_of_fast_path(monkeypatch, calls)
+def test_the_fast_path_takes_every_size_without_autograd(monkeypatch):
     layer = FP8Linear.from_linear(nn.Linear(64, 32))
+    static = FP8Linear.from_linear(nn.Linear(64, 32), activations="static")
+    static.set_input_scale(0.1)
+    with torch.no_grad():
+        layer(torch.randn(1, 64))  # settles the CPU's path (the first call takes the full one)
+    calls, reusing = [], []
+    calls_of_fast_path(monkeypatch, calls, reusing)
     with torch.no_grad():
         for rows in (1, 16, 17, 40):
             layer(torch.randn(rows, 64))
         layer(torch.randn(2, 8, 64))
-    assert calls == [(1, 64), (16, 64), (2, 8, 64)]
-    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()  # autograd keeps the two ops
-    assert len(calls) == 3
+        layer(torch.randn(3, 8, 64))
+        static(torch.randn(40, 64))
+        layer(torch.randn(40, 64, dtype=torch.float64))  # converted by the full path
+    # up to 16 rows, and layers without dynamic activations: one ops.linear_if_plain call;
+    # above 16 rows with dynamic activations: the call that reuses sibling layers' quantization
+    assert calls == [(1, 64), (16, 64), (2, 8, 64), (40, 64)]
+    assert reusing == [(17, 64), (40, 64), (3, 8, 64)]
+    layer(torch.randn(40, 64, requires_grad=True)).sum().backward()  # autograd keeps the two ops
+    assert len(calls) == 4 and len(reusing) == 3
 
 
-def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
+@pytest.mark.parametrize("rows", [2, 40])  # 40: above 16 rows, the fast path that reuses the input's quantization
+def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch, rows):
     # forward's fast path (one native call, fewest checks) must give what the full path
     # gives, and leave to it whatever it does not handle: autocast, torch function modes,
     # tensor subclasses, autograd, float64, wrong shapes, frozen-weight and missing-scale errors
@@ -210,12 +227,15 @@ def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
 
     calls = calls_of_fast_path(monkeypatch, [])
     layer = FP8Linear.from_linear(nn.Linear(64, 32), weight_granularity="channel", activation_granularity="token")
-    x = torch.randn(2, 64)
+    x = torch.randn(rows, 64)
+    # the op the full path's forward shows to modes and subclasses: one ops.linear up to 16
+    # rows, quantize_fp8 (unless kept from the call before) and scaled_mm above
+    full_path_op = "fp8linear.linear.default" if rows <= 16 else "fp8linear.scaled_mm"
     with torch.no_grad():
         layer(x)  # the first call on a device settles its path (and warns once)
         calls.clear()
         expected = layer(x)
-        assert calls == [(2, 64)]
+        assert calls == [(rows, 64)]
         calls.clear()
         assert torch.equal(ops.linear(x, layer.weight, layer.weight_scale, layer.bias, None, 2, 1), expected)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -233,7 +253,7 @@ def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
 
         with Recorder() as mode:
             assert torch.equal(layer(x), expected)
-        assert "fp8linear.linear.default" in mode.seen
+        assert any(full_path_op in seen for seen in mode.seen)
 
         class Logged(torch.Tensor):
             seen = []
@@ -244,9 +264,9 @@ def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
                 return super().__torch_function__(func, types, args, kwargs or {})
 
         out = layer(x.as_subclass(Logged))
-        assert type(out) is Logged and "fp8linear.linear.default" in Logged.seen
+        assert type(out) is Logged and any(full_path_op in seen for seen in Logged.seen)
         with pytest.raises(ValueError, match="in_features=64"):
-            layer(torch.randn(2, 63))
+            layer(torch.randn(rows, 63))
         with pytest.raises(ValueError, match="in_features=64, got shape \\(\\)"):
             layer(torch.tensor(1.0))
     assert calls == []
@@ -273,12 +293,13 @@ def test_the_fast_path_steps_aside_where_it_would_differ(monkeypatch):
             static(x)
 
 
-def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(monkeypatch):
+@pytest.mark.parametrize("rows", [2, 40])
+def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(monkeypatch, rows):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     calls = calls_of_fast_path(monkeypatch, [])
     layer = FP8Linear.from_linear(nn.Linear(64, 32))
-    x = torch.randn(2, 64)
+    x = torch.randn(rows, 64)
     with torch.no_grad():
         layer(x)  # settles the device
         calls.clear()
@@ -297,7 +318,7 @@ def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(m
                 return func(*args, **(kwargs or {}))
 
         with Recorder() as mode:  # sees the ops the composite is made of, as on the full path
-            assert torch.equal(layer(x), expected)
+            assert torch.equal(layer(x.clone()), expected)  # a fresh tensor: no kept quantization
         assert "fp8linear.quantize_fp8.default" in mode.seen and "fp8linear.scaled_mm.default" in mode.seen
         assert len(calls) == 2
     # a scale that requires grad under grad mode: the full path's output records it
@@ -307,7 +328,7 @@ def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(m
     layer.weight_scale.requires_grad_(False)
     with torch.no_grad():
         empty = FP8Linear.from_linear(nn.Linear(0, 5))  # K = 0: the full path, as before
-        assert torch.equal(empty(torch.randn(2, 0)), empty.bias.expand(2, 5))
+        assert torch.equal(empty(torch.randn(rows, 0)), empty.bias.expand(rows, 5))
     assert len(calls) == 2
 
 

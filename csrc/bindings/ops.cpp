@@ -33,6 +33,9 @@ namespace fp8linear {
 at::Tensor linear_from_python(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& activation_scale,
                               int64_t activations, int64_t granularity);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_linear_from_python(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+    int64_t granularity, const std::optional<at::Tensor>& quantized, const std::optional<at::Tensor>& quantized_scale);
 }  // namespace fp8linear
 
 #ifdef FP8LINEAR_WITH_CUDA
@@ -82,34 +85,35 @@ uint64_t read_bandwidth_probe(const at::Tensor& tensor) {
   return checksum;
 }
 
-// FP8Linear's fast path (forward): fp8linear::linear for a decode-sized eager call, from
-// Python without the boxed torch.ops call, or None where FP8Linear's full forward must run
+// FP8Linear's fast path (forward): fp8linear::linear for an eager call without autograd,
+// from Python without the boxed torch.ops call, or None where FP8Linear's full forward must run
 // instead: it raises the errors, converts float64 and autocast inputs, records autograd,
 // and lets tensor subclasses, torch function modes and dispatch modes see what they see
 // there. The tests are here, not in Python, because in decode each layer's Python runs
 // with cold caches (the weights streamed in between evict them), where each test in
 // Python cost ~0.3 us.
-std::optional<at::Tensor> linear_if_plain(pybind11::handle x_object, const at::Tensor& weight,
-                                          const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                                          const std::optional<at::Tensor>& activation_scale, int64_t activations,
-                                          int64_t granularity, int64_t max_rows) {
-  HANDLE_TH_ERRORS  // as on the torch.ops path: C++ errors and warnings become Python ones
-  if (!THPVariable_CheckExact(x_object.ptr())) return std::nullopt;  // a subclass (its __torch_function__), or not a tensor
+// The tensor behind x_object if the fast path may take the call: see the comment above.
+const at::Tensor* plain_input(pybind11::handle x_object, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& activation_scale,
+                              int64_t max_rows) {
+  if (!THPVariable_CheckExact(x_object.ptr())) return nullptr;  // a subclass (its __torch_function__), or not a tensor
   const at::Tensor& x = THPVariable_Unpack(x_object.ptr());
   const int64_t in_features = weight.dim() == 2 ? weight.size(1) : 0;
   const at::ScalarType dtype = x.scalar_type();
   const c10::DeviceType device = x.device().type();
   // K = 0 takes the full path, as there
-  if (in_features <= 0 || x.dim() == 0 || x.size(-1) != in_features || x.numel() > max_rows * in_features) return std::nullopt;
-  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
-  if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return std::nullopt;
+  if (in_features <= 0 || x.dim() == 0 || x.size(-1) != in_features || x.numel() / in_features > max_rows) {
+    return nullptr;
+  }
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return nullptr;
+  if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return nullptr;
   // Keys a thread includes beyond the defaults (BackendSelect, ADInplaceOrView): autocast,
   // dispatch modes (Python), functorch transforms; the full path's torch.ops call is what
   // those expect to see
   if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
       c10::impl::dispatch_mode_enabled() ||
       at::impl::torch_function_mode_enabled() || at::autocast::is_autocast_enabled(device)) {
-    return std::nullopt;
+    return nullptr;
   }
   const bool grad_mode = c10::GradMode::is_enabled();
   const auto plain = [grad_mode](const at::Tensor& t) {  // no __torch_dispatch__ subclass, no autograd to record
@@ -117,14 +121,40 @@ std::optional<at::Tensor> linear_if_plain(pybind11::handle x_object, const at::T
   };
   if (weight.requires_grad() || !plain(x) || !plain(weight) || !plain(weight_scale) ||
       (bias.has_value() && !plain(*bias)) || (activation_scale.has_value() && !plain(*activation_scale))) {
-    return std::nullopt;
+    return nullptr;
   }
+  return &x;
+}
+
+std::optional<at::Tensor> linear_if_plain(pybind11::handle x_object, const at::Tensor& weight,
+                                          const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                                          const std::optional<at::Tensor>& activation_scale, int64_t activations,
+                                          int64_t granularity, int64_t max_rows) {
+  HANDLE_TH_ERRORS  // as on the torch.ops path: C++ errors and warnings become Python ones
+  const at::Tensor* x = plain_input(x_object, weight, weight_scale, bias, activation_scale, max_rows);
+  if (x == nullptr) return std::nullopt;
   pybind11::gil_scoped_release no_gil;
   // Nothing here needs autograd (tested above): below its dispatch keys the op's calls of
   // quantize_fp8 and scaled_mm reach their kernels unboxed (the autograd-not-implemented
   // fallback they get otherwise is boxed) and its views are plain ones. ~1.5 us a call.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return fp8linear::linear_from_python(x, weight, weight_scale, bias, activation_scale, activations, granularity);
+  return fp8linear::linear_from_python(*x, weight, weight_scale, bias, activation_scale, activations, granularity);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// The same for a layer with dynamic activations whose input sibling layers share (q, k
+// and v): given the input's quantization (quantized, quantized_scale) by one of them, or
+// quantizing it, returns (out, the quantization used), or None as linear_if_plain does.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> dynamic_linear_if_plain(
+    pybind11::handle x_object, const at::Tensor& weight, const at::Tensor& weight_scale,
+    const std::optional<at::Tensor>& bias, int64_t granularity, const std::optional<at::Tensor>& quantized,
+    const std::optional<at::Tensor>& quantized_scale, int64_t max_rows) {
+  HANDLE_TH_ERRORS
+  const at::Tensor* x = plain_input(x_object, weight, weight_scale, bias, std::nullopt, max_rows);
+  if (x == nullptr) return std::nullopt;
+  pybind11::gil_scoped_release no_gil;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return fp8linear::dynamic_linear_from_python(*x, weight, weight_scale, bias, granularity, quantized, quantized_scale);
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -152,6 +182,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_if_plain", &linear_if_plain,
              "FP8Linear's fast path: torch.ops.fp8linear.linear without the boxed call, or None where the full "
              "forward must run (subclass, autograd, autocast, torch function mode, float64, shape).");
+  module.def("dynamic_linear_if_plain", &dynamic_linear_if_plain,
+             "FP8Linear's fast path for dynamic activations that sibling layers share: (out, q, scale) given "
+             "the input's quantization (q, scale) or making it, or None where the full forward must run.");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA
   fp8linear::register_cuda_python(module);

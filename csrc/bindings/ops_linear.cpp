@@ -1,9 +1,10 @@
-// fp8linear::linear: FP8Linear's forward for decode-sized inputs as one op: the activation
-// quantization and the product, composed here in C++ of the two ops (through the
-// dispatcher, so every device and torch.compile take their own implementations of them).
-// From Python the composition costs two op calls and the code around them: on SmolLM2's
-// layers at M = 1 (AMD EPYC Zen 3) FP8Linear took ~40 us a call on a 64 x 64 layer, of
-// which ~16 us were the two calls themselves; bf16 nn.Linear took ~11 us.
+// fp8linear::linear: FP8Linear's forward as one op: the activation quantization and the
+// product, composed here in C++ of the two ops (through the dispatcher, so every device
+// and torch.compile take their own implementations of them). From Python the composition
+// costs two op calls and the code around them: on SmolLM2's layers at M = 1 (AMD EPYC Zen
+// 3) FP8Linear took ~40 us a call on a 64 x 64 layer, of which ~16 us were the two calls
+// themselves; bf16 nn.Linear took ~11 us. And dynamic_linear_from_python, the same for
+// FP8Linear's fast path on inputs whose quantization sibling layers reuse (ops.cpp).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
@@ -44,6 +45,51 @@ const c10::TypedOperatorHandle<ScaledMmSignature>& scaled_mm_op() {
   return op;
 }
 
+// The activations as the layer quantizes them: x2d [rows, K] float; weight's dtype is the
+// activations' fp8 dtype; activation_scale: the static input scale, or the unit scale of
+// weight-only layers. Returns (a, scale_a): what quantize_fp8 (or quantize_fp8_blocks for
+// groups) gives, or x2d itself for weight-only layers.
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x2d, const at::Tensor& weight,
+                                                        const std::optional<at::Tensor>& activation_scale,
+                                                        int64_t activations, int64_t granularity) {
+  if (activations == kActivationsNone) return {x2d, *activation_scale};
+  if (activations == kActivationsStatic) {
+    return quantize_op().call(x2d, activation_scale, weight.scalar_type(), false);
+  }
+  if (granularity == kPerGroup) {
+    return quantize_blocks_op().call(x2d, std::nullopt, weight.scalar_type(), 1, FP8_SCALE_BLOCK);
+  }
+  return quantize_op().call(x2d, std::nullopt, weight.scalar_type(), granularity == kPerToken);
+}
+
+// scaled_mm of the quantized activations (a [rows, K], scale_a) with the weight, viewed as
+// x's leading dimensions + [N], in x's dtype.
+at::Tensor product(const at::Tensor& x, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& weight,
+                   const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
+  // per-channel [N, 1] and block [N/128, K/128] weight scales are those of w.t() transposed
+  const at::Tensor scale_b = weight_scale.dim() > 0 ? weight_scale.t() : weight_scale;
+  const at::Tensor out = scaled_mm_op().call(a, weight.t(), scale_a, scale_b, bias, x.scalar_type());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(weight.size(0));
+  return out.view(shape);
+}
+
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t activations, int64_t granularity) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
+                    "linear: x's last dimension must be weight's in_features=", weight.dim() == 2 ? weight.size(1) : -1,
+                    ", got x of shape ", x.sizes(), " and weight of shape ", weight.sizes());
+  TORCH_CHECK_VALUE(activations >= kActivationsNone && activations <= kActivationsDynamic,
+                    "linear: activations must be 0 (none), 1 (static) or 2 (dynamic), got ", activations);
+  TORCH_CHECK_VALUE(granularity >= kPerTensor && granularity <= kPerGroup,
+                    "linear: granularity must be 0 (tensor), 1 (token) or 2 (group), got ", granularity);
+}
+
+// x [..., K] viewed as [rows, K]; rows counted, not inferred: reshape cannot infer -1 when K = 0
+at::Tensor rows_of(const at::Tensor& x) {
+  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  return x.reshape({rows, x.size(-1)});
+}
+
 // x [..., K] float; weight [N, K] fp8 (its dtype is also the activations' fp8 dtype);
 // weight_scale () / [N, 1] / [ceil(N/128), ceil(K/128)]; bias [N] or None;
 // activation_scale: the static input scale, or the unit scale of weight-only layers.
@@ -52,35 +98,11 @@ const c10::TypedOperatorHandle<ScaledMmSignature>& scaled_mm_op() {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& activation_scale,
                   int64_t activations, int64_t granularity) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
-                    "linear: x's last dimension must be weight's in_features=", weight.dim() == 2 ? weight.size(1) : -1,
-                    ", got x of shape ", x.sizes(), " and weight of shape ", weight.sizes());
-  TORCH_CHECK_VALUE(activations >= kActivationsNone && activations <= kActivationsDynamic,
-                    "linear: activations must be 0 (none), 1 (static) or 2 (dynamic), got ", activations);
-  TORCH_CHECK_VALUE(granularity >= kPerTensor && granularity <= kPerGroup,
-                    "linear: granularity must be 0 (tensor), 1 (token) or 2 (group), got ", granularity);
+  check_linear_args(x, weight, activations, granularity);
   TORCH_CHECK_VALUE(activations == kActivationsDynamic || activation_scale.has_value(),
                     "linear: activation_scale is needed unless activations are dynamic");
-  // rows counted, not inferred: reshape cannot infer -1 when K = 0
-  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  const at::Tensor x2d = x.reshape({rows, x.size(-1)});
-  at::Tensor a, scale_a;
-  if (activations == kActivationsNone) {
-    a = x2d;
-    scale_a = *activation_scale;
-  } else if (activations == kActivationsStatic) {
-    std::tie(a, scale_a) = quantize_op().call(x2d, activation_scale, weight.scalar_type(), false);
-  } else if (granularity == kPerGroup) {
-    std::tie(a, scale_a) = quantize_blocks_op().call(x2d, std::nullopt, weight.scalar_type(), 1, FP8_SCALE_BLOCK);
-  } else {
-    std::tie(a, scale_a) = quantize_op().call(x2d, std::nullopt, weight.scalar_type(), granularity == kPerToken);
-  }
-  // per-channel [N, 1] and block [N/128, K/128] weight scales are those of w.t() transposed
-  const at::Tensor scale_b = weight_scale.dim() > 0 ? weight_scale.t() : weight_scale;
-  const at::Tensor out = scaled_mm_op().call(a, weight.t(), scale_a, scale_b, bias, x.scalar_type());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(weight.size(0));
-  return out.view(shape);
+  const auto [a, scale_a] = quantize_activations(rows_of(x), weight, activation_scale, activations, granularity);
+  return product(x, a, scale_a, weight, weight_scale, bias);
 }
 
 }  // namespace
@@ -91,6 +113,25 @@ at::Tensor linear_from_python(const at::Tensor& x, const at::Tensor& weight, con
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fp8linear::linear", "").typed<LinearSignature>();
   return op.call(x, weight, weight_scale, bias, activation_scale, activations, granularity);
+}
+
+// A layer with dynamic activations on x, given x's quantization (quantized, its scale) by
+// an earlier layer fed the same x, or quantizing it here: returns (out, a, scale_a), the
+// output and the quantization it used, for the next layer to reuse. The caller (the fast
+// path in ops.cpp) vouches that a given quantization is x's with this granularity and
+// the weight's fp8 dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_linear_from_python(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+    int64_t granularity, const std::optional<at::Tensor>& quantized, const std::optional<at::Tensor>& quantized_scale) {
+  check_linear_args(x, weight, kActivationsDynamic, granularity);
+  at::Tensor a, scale_a;
+  if (quantized.has_value() && quantized_scale.has_value()) {
+    a = *quantized;
+    scale_a = *quantized_scale;
+  } else {
+    std::tie(a, scale_a) = quantize_activations(rows_of(x), weight, std::nullopt, kActivationsDynamic, granularity);
+  }
+  return {product(x, a, scale_a, weight, weight_scale, bias), a, scale_a};
 }
 
 TORCH_LIBRARY_IMPL(fp8linear, CompositeImplicitAutograd, m) { m.impl("linear", &linear); }
