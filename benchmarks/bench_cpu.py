@@ -166,12 +166,18 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
         fp32_weights = [source.weight.detach().clone() for _ in range(layer_copies(n, k, rows, 4, smoke))]
         x32 = x.float()
         qx, sx = fp8linear.quantize_fp8(x)
+        # FP8Linear layers fed one tensor reuse its dynamic quantization (a model's q, k and v
+        # share it), which here would leave the quantization out of every call but a pass's
+        # first: they get an inference-mode copy, which is never reused, so that each call
+        # quantizes its input (results before 2026-12-05 at M > 16 left it out: see the README)
+        with torch.inference_mode():
+            x_own = x.clone()
         contenders = {
             "bf16": (lambda w: F.linear(x, w), bf16_weights),
             "fp32": (lambda w: F.linear(x32, w), fp32_weights),
-            "fp8linear": (lambda layer: layer(x), fp8_layers),
-            "per-channel": (lambda layer: layer(x), channel_layers),
-            "block": (lambda layer: layer(x), block_layers),
+            "fp8linear": (lambda layer: layer(x_own), fp8_layers),
+            "per-channel": (lambda layer: layer(x_own), channel_layers),
+            "block": (lambda layer: layer(x_own), block_layers),
             # torch's CPU fp8 GEMM is slow enough that one layer per pass is plenty
             "_scaled_mm": (lambda layer: torch._scaled_mm(qx, layer.weight.t(), sx, layer.weight_scale,
                                                           out_dtype=torch.bfloat16), fp8_layers[:1]),
@@ -270,7 +276,9 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         f"Times are medians over repetitions of whole passes over the layer copies (each repetition at least "
         f"{MIN_SAMPLE_SECONDS * 1e3:.0f} ms); ratios > 1 mean FP8Linear is "
         f"faster. M <= {DECODE_ROWS} cycles through >= 1 GB of weights per format (from DRAM); larger M uses "
-        "two copies (compute-bound). FP8Linear's time includes quantizing its bf16 input; `_scaled_mm` is "
+        "two copies (compute-bound). FP8Linear's time includes quantizing its bf16 input at every call (an "
+        "inference-mode copy of it, whose quantization layers never reuse; in a model q, k and v share one); "
+        "`_scaled_mm` is "
         "given pre-quantized input. GB/s counts fp8 weight bytes only. \"fp8linear\" is the default scheme "
         "(per-tensor); the last three columns time the per-channel scheme (per-channel weights, per-token "
         "activations) and the block scheme (128 x 128 weight blocks, activations per token and group of 128, "
