@@ -112,10 +112,12 @@ class _LastQuantizedInput(threading.local):
     """Per thread: the last dynamically quantized CPU input of an FP8Linear, so that the
     layers a model feeds the same tensor (q, k and v; gate and up) quantize it once.
 
-    ``entry`` is ``(weak reference to the input, its version, (fp8 dtype, granularity),
-    (q, scale))``. A hit needs the same tensor object, unmodified since (torch's version
-    counter, which every in-place change bumps, through any view), and the same
-    quantization. The weak reference drops the entry when the input is freed, so the
+    ``entry`` is ``(weak reference to the input, (its version, data pointer, shape), (fp8
+    dtype, granularity), (q, scale))``. A hit needs the same tensor object, unmodified
+    since (torch's version counter, which every in-place torch operation bumps, through
+    any view; the data pointer and shape, which ``x.data = ...`` changes without it), and
+    the same quantization. Writes that bypass the version counter (through ``x.data`` or
+    ``x.numpy()``) are not seen. The weak reference drops the entry when the input is freed, so the
     quantized copy lives no longer than the input, and a new tensor at the same address
     never matches. Inference-mode tensors have no version counter: they are never reused.
     """
@@ -140,21 +142,22 @@ def _forget_callback(state: dict):
 
 
 def _kept_quantization(source: torch.Tensor, key: tuple):
-    """(version, the kept (q, scale) of ``source`` under ``key``, or None): the reuse
-    described in _LastQuantizedInput, for a CPU tensor outside inference mode."""
+    """(state, the kept (q, scale) of ``source`` under ``key``, or None): the reuse
+    described in _LastQuantizedInput, for a CPU tensor outside inference mode. ``state``
+    (version, data pointer, shape) is what _keep_quantization records with it."""
     entry = _LAST_QUANTIZED.entry
-    version = source._version
-    if entry is not None and entry[0]() is source and entry[1] == version and entry[2] == key:
-        return version, entry[3]
-    return version, None
+    state = (source._version, source.data_ptr(), source.shape)
+    if entry is not None and entry[0]() is source and entry[1] == state and entry[2] == key:
+        return state, entry[3]
+    return state, None
 
 
-def _keep_quantization(source: torch.Tensor, version: int, key: tuple, quantized) -> None:
+def _keep_quantization(source: torch.Tensor, state: tuple, key: tuple, quantized) -> None:
     holder = _LAST_QUANTIZED
     forget = holder.forget
     if forget is None:
         forget = holder.forget = _forget_callback(holder.__dict__)
-    holder.entry = (weakref.ref(source, forget), version, key, quantized)
+    holder.entry = (weakref.ref(source, forget), state, key, quantized)
 
 
 def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP8Config):
@@ -166,28 +169,31 @@ def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP
                 and not source.is_inference())
     if not reusable:
         return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-    version, quantized = _kept_quantization(source, key)
+    state, quantized = _kept_quantization(source, key)
     if quantized is None:
         quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
-        _keep_quantization(source, version, key, quantized)
+        _keep_quantization(source, state, key, quantized)
     return quantized
 
 
 def _fast_dynamic_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, granularity: int, key: tuple) -> torch.Tensor | None:
+                         bias: torch.Tensor | None, granularity: int, op_granularity: str) -> torch.Tensor | None:
     """The fast path of a layer with dynamic activations on a CPU input of more than
     _FUSED_MAX_ROWS rows: ops.dynamic_linear_if_plain with the reuse of _LastQuantizedInput
-    (the same entries as the full path's _quantize_dynamic); None where the full path runs."""
+    (the same entries as the full path's _quantize_dynamic); None where the full path runs.
+    The native call quantizes to the weight's fp8 dtype, hence the key's (the config's,
+    which the config setter keeps equal to it)."""
+    key = (weight.dtype, op_granularity)
     if x.is_inference():  # no version counter: never reused
-        version, quantized = None, None
+        state, quantized = None, None
     else:
-        version, quantized = _kept_quantization(x, key)
+        state, quantized = _kept_quantization(x, key)
     result = ops.dynamic_linear_if_plain(x, weight, weight_scale, bias, granularity, quantized, _FAST_MAX_ROWS)
     if result is None:
         return None
     out, used = result
-    if version is not None and quantized is None:
-        _keep_quantization(x, version, key, used)
+    if state is not None and quantized is None:
+        _keep_quantization(x, state, key, used)
     return out
 
 
@@ -402,6 +408,12 @@ class FP8Linear(nn.Module):
     def config(self, config: FP8Config) -> None:
         if not isinstance(config, FP8Config):
             raise TypeError(f"config must be an FP8Config, got {type(config).__name__}")
+        # the weight's dtype is the activations' fp8 dtype on every path (the native ones
+        # read it from the weight): a config of another one would split the paths
+        weight = self.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None and weight.dtype != config.fp8_dtype:
+            raise ValueError(f"config.fp8_dtype must be the weight's dtype {weight.dtype}, got {config.fp8_dtype}: "
+                             f"make a new layer (from_fp8) for another fp8 format")
         self.__dict__["_config"] = config
         self._set_fast_path(self.__dict__.get("_scale_ready", False))
 
@@ -410,9 +422,9 @@ class FP8Linear(nn.Module):
         through the flag, _fast_scale."""
         config = self.config
         self._linear_codes = (_LINEAR_ACTIVATIONS[config.activations], _LINEAR_GRANULARITIES[config.activation_granularity])
-        # _LastQuantizedInput's key for dynamic activations, None for the others
-        self._reuse_key = ((config.fp8_dtype, _ACTIVATION_OP_GRANULARITY[config.activation_granularity])
-                           if config.activations == "dynamic" else None)
+        # the granularity of _LastQuantizedInput's key for dynamic activations, None for the others
+        self._reuse_granularity = (_ACTIVATION_OP_GRANULARITY[config.activation_granularity]
+                                   if config.activations == "dynamic" else None)
         self._input_scale_ready = ready
 
     @property
@@ -500,8 +512,8 @@ class FP8Linear(nn.Module):
         # path took 44.9 us a call, this one 26.9, bf16 nn.Linear 27.9 (docs/design.md,
         # forward, item 8).
         if not _is_compiling() and (scale_buffer := self._fast_scale) is not None and x.device in _backend._settled:
-            if (key := self._reuse_key) is not None and x.is_cpu and x.numel() > _FUSED_MAX_ROWS * self.in_features:
-                out = _fast_dynamic_linear(x, weight, buffers["weight_scale"], bias, self._linear_codes[1], key)
+            if (reused := self._reuse_granularity) is not None and x.is_cpu and x.numel() > _FUSED_MAX_ROWS * self.in_features:
+                out = _fast_dynamic_linear(x, weight, buffers["weight_scale"], bias, self._linear_codes[1], reused)
             else:
                 out = ops.linear_if_plain(x, weight, buffers["weight_scale"], bias,
                                           buffers[scale_buffer] if scale_buffer else None, *self._linear_codes,

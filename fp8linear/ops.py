@@ -1,5 +1,5 @@
 """The two ops, quantize_fp8 and scaled_mm (and linear, FP8Linear's forward composed of
-them in C++ for decode-sized inputs): the only caller of torch.ops.fp8linear.*.
+them in C++, and FP8Linear's native fast path): the only caller of torch.ops.fp8linear.*.
 
 Each wrapper documents its contract (docs/design.md, numerics); the fake (meta)
 implementation beside each op mirrors the checks in csrc/bindings/checks.cpp so
@@ -139,7 +139,7 @@ _linear_op = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
            activation_scale: torch.Tensor | None, activations: int, granularity: int) -> torch.Tensor:
-    """FP8Linear's forward in one op call, for its decode-sized inputs: ``x`` ``[..., K]``
+    """FP8Linear's forward in one op call (its full path uses it up to 16 rows): ``x`` ``[..., K]``
     quantized as ``activations`` / ``granularity`` say (LINEAR_ACTIVATIONS,
     LINEAR_GRANULARITIES; ``activation_scale`` the static input scale, or the unit scale of
     weight-only layers) and multiplied by ``weight`` ``[N, K]`` with its ``weight_scale``:

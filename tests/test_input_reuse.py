@@ -181,3 +181,32 @@ def test_training_inputs_get_gradients_as_before(quantize_calls):
     q(x_again).sum().backward()
     k(x_again).sum().backward()
     assert torch.equal(x.grad, x_again.grad)
+
+
+def test_a_replaced_tensor_body_is_not_taken_for_the_kept_one(quantize_calls):
+    # x.data = ... keeps the object and its version counter: the data pointer and the shape
+    # in the entry tell the kept quantization from the new contents
+    q, k, _ = quantize_calls.layers()
+    x = torch.randn(20, 72, dtype=torch.bfloat16)
+    with torch.no_grad():
+        q(x)
+        x.data = torch.randn(20, 72, dtype=torch.bfloat16) * 5
+        out = k(x)
+        assert quantize_calls.count == 2
+        assert torch.equal(out, fresh(k, x))
+        x.data = torch.randn(32, 72, dtype=torch.bfloat16)
+        quantize_calls.count = 0
+        out = k(x)
+        assert quantize_calls.count == 1
+        assert out.shape == (32, 40) and torch.equal(out, fresh(k, x))
+
+
+def test_the_native_call_refuses_a_quantization_of_another_input():
+    (layer,) = QuantizeCalls().layers(sizes=(16,))
+    x = torch.randn(20, 72)
+    q, scale = ops.quantize_fp8(x[:10])
+    with pytest.raises(RuntimeError, match="not one of x"):
+        ops.dynamic_linear_if_plain(x, layer.weight, layer.weight_scale, layer.bias, 0, (q, scale), 1 << 40)
+    q, scale = ops.quantize_fp8(x, dtype=torch.float8_e5m2)
+    with pytest.raises(RuntimeError, match="not one of x"):
+        ops.dynamic_linear_if_plain(x, layer.weight, layer.weight_scale, layer.bias, 0, (q, scale), 1 << 40)

@@ -164,8 +164,12 @@ def test_fast_path_matches_the_two_ops(monkeypatch, scheme, dtype, shape, bias, 
     with torch.no_grad():
         layer(x)  # settles the device's path: the next call takes the fast path where it applies
         linear_module._LAST_QUANTIZED.entry = None
-        fast = layer(x.clone())  # a fresh tensor: quantized in the native call
-        fast_reused = layer(x)  # the quantization kept by the first call, where one is kept
+        y = x.clone()  # a fresh tensor, held: its quantization stays kept while it lives
+        fast = layer(y)  # quantized in the native call
+        rows = y.numel() // 300
+        kept = linear_module._LAST_QUANTIZED.entry is not None
+        assert kept == (layer.config.activations == "dynamic" and rows > 16 and dtype != torch.float64)
+        fast_reused = layer(y)  # the quantization kept by the first call, where one is kept
         monkeypatch.setattr(linear_module, "_FUSED_MAX_ROWS", -1)  # -1: 0 rows too
         monkeypatch.setattr(linear_module, "_FAST_MAX_ROWS", -1)
         linear_module._LAST_QUANTIZED.entry = None
@@ -330,6 +334,17 @@ def test_the_fast_path_steps_aside_for_dispatch_modes_scales_with_grad_and_k_0(m
         empty = FP8Linear.from_linear(nn.Linear(0, 5))  # K = 0: the full path, as before
         assert torch.equal(empty(torch.randn(rows, 0)), empty.bias.expand(rows, 5))
     assert len(calls) == 2
+
+
+def test_a_config_of_another_fp8_dtype_than_the_weight_is_refused():
+    # the native paths quantize activations to the weight's dtype, the Python path to the
+    # config's: they must not differ
+    from dataclasses import replace
+
+    layer = FP8Linear.from_linear(nn.Linear(40, 24))
+    with pytest.raises(ValueError, match="fp8_dtype must be the weight's dtype"):
+        layer.config = replace(layer.config, fp8_dtype=torch.float8_e5m2)
+    assert layer.config.fp8_dtype == torch.float8_e4m3fn
 
 
 def test_reassigning_the_config_keeps_the_fast_path_in_step():

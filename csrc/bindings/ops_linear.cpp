@@ -124,10 +124,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_linear_from_python(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
     int64_t granularity, const std::optional<at::Tensor>& quantized, const std::optional<at::Tensor>& quantized_scale) {
   check_linear_args(x, weight, kActivationsDynamic, granularity);
+  TORCH_CHECK(quantized.has_value() == quantized_scale.has_value(),
+              "dynamic_linear: give both the kept quantization and its scale, or neither");
   at::Tensor a, scale_a;
-  if (quantized.has_value() && quantized_scale.has_value()) {
+  if (quantized.has_value()) {
     a = *quantized;
     scale_a = *quantized_scale;
+    // what the caller vouches for, checked where it costs nothing: a quantization of
+    // another dtype or shape would be a wrong result, not an error, further down
+    TORCH_CHECK(a.scalar_type() == weight.scalar_type() && a.dim() == 2 && a.size(1) == x.size(-1) &&
+                    a.size(0) == c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1),
+                "dynamic_linear: the kept quantization ", a.scalar_type(), " ", a.sizes(),
+                " is not one of x (", x.sizes(), ") for a ", weight.scalar_type(), " weight");
   } else {
     std::tie(a, scale_a) = quantize_activations(rows_of(x), weight, std::nullopt, kActivationsDynamic, granularity);
   }
