@@ -200,7 +200,7 @@ static int64_t sums_bytes(const fp8_cpu_mm_plan* plan) {
 }
 
 /* Where the emulated tile registers go: after what the kernel uses (the stream kernel:
- * up to 4 KiB to place its buffers, 2 x 2 KiB of them, 4 KiB of sums and 4 KiB of
+ * up to 4 KiB to place its buffers, 4 x 2 KiB of them, 4 KiB of sums and 4 KiB of
  * block-wise totals; the panel kernel: two panels, the sums, and 4 KiB of block tiles).
  * 64-byte aligned. */
 static int full_k(const fp8_cpu_mm_plan* plan) {

@@ -3,8 +3,8 @@
  *
  * Few activation rows: the weights are read once, from memory, and the kernel must
  * stream them. 16 weight rows at a time over all of K, in steps of 64 k: the two A
- * tiles of a step (k halves) come from a 2 KiB buffer widened during the previous
- * step's tile products, and the C tiles stay in registers for all of K. On this Xeon
+ * tiles of a step (k halves) come from a 2 KiB buffer widened during the tile products
+ * three steps earlier (AMX_STREAM_BUFFERS), and the C tiles stay in registers for all of K. On this Xeon
  * 4-16 rows streamed side by side read at the full bandwidth of a plain read loop,
  * while the panel kernel's order (256 bytes of each of 512 rows per K block) read at
  * ~37% of it at M = 16. Up to 4 groups of 16 activation rows (M <= 64): one group
@@ -20,10 +20,19 @@ enum {
   AMX_STREAM_ROWS = 16,      /* weight rows streamed side by side */
   AMX_STREAM_STEP = 64,      /* k per step: one cache line of each row */
   AMX_STREAM_PREFETCH = 256, /* bytes ahead in each row, into L1 */
-  AMX_STREAM_BUFFERS = 2,    /* widened steps: this one and the next (a third one measured no faster) */
-  /* its scratch: up to 4 KiB to place the buffers, 2 x 2 KiB of them, 4 KiB of sums and
+  /* widened steps: this one and the next three. With two (this one and the next), each
+   * step's A tiles were loaded right after the vector stores that widened them, and the
+   * tile load waited for those stores to drain: 39% of the kernel's samples at M = 48
+   * sat on that load (1536 x 576, 2 threads), and M = 48 took longer than M = 64. With
+   * four, scaled_mm time over the two-buffer kernel's (medians of 3 alternated process
+   * rounds, Intel Xeon with AMX, 2 threads): M = 48 0.78-0.96 (1536 x 576 104 vs 134
+   * us), M = 4-16 0.92-0.98, M = 32-64 0.94-1.00. Four, not three: with an even count
+   * each step's stores stay 2 KiB away, modulo 4 KiB, from the B tiles the next step
+   * loads (see `placed`), as with two. */
+  AMX_STREAM_BUFFERS = 4,
+  /* its scratch: up to 4 KiB to place the buffers, 4 x 2 KiB of them, 4 KiB of sums and
    * 4 KiB of block-wise totals; then the block-wise scale_a table */
-  AMX_STREAM_SCRATCH_BYTES = 4 * 4096
+  AMX_STREAM_SCRATCH_BYTES = 5 * 4096
 };
 
 /* One step of the stream kernel: 64 codes of each of the 16 weight rows from `src`
