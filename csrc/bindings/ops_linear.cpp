@@ -84,11 +84,11 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t ac
                     "linear: granularity must be 0 (tensor), 1 (token) or 2 (group), got ", granularity);
 }
 
+// The rows of x [..., K]: the product of its leading dimensions.
+int64_t row_count(const at::Tensor& x) { return c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1); }
+
 // x [..., K] viewed as [rows, K]; rows counted, not inferred: reshape cannot infer -1 when K = 0
-at::Tensor rows_of(const at::Tensor& x) {
-  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  return x.reshape({rows, x.size(-1)});
-}
+at::Tensor rows_of(const at::Tensor& x) { return x.reshape({row_count(x), x.size(-1)}); }
 
 // x [..., K] float; weight [N, K] fp8 (its dtype is also the activations' fp8 dtype);
 // weight_scale () / [N, 1] / [ceil(N/128), ceil(K/128)]; bias [N] or None;
@@ -133,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_linear_from_python(
     // what the caller vouches for, checked where it costs nothing: a quantization of
     // another dtype or shape would be a wrong result, not an error, further down
     TORCH_CHECK(a.scalar_type() == weight.scalar_type() && a.dim() == 2 && a.size(1) == x.size(-1) &&
-                    a.size(0) == c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1),
+                    a.size(0) == row_count(x),
                 "dynamic_linear: the kept quantization ", a.scalar_type(), " ", a.sizes(),
                 " is not one of x (", x.sizes(), ") for a ", weight.scalar_type(), " weight");
   } else {
