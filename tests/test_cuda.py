@@ -362,6 +362,35 @@ def test_bad_arguments_raise_on_cuda():
         fp8linear.quantize_fp8(torch.zeros(3, device="cuda", dtype=torch.float64))
 
 
+def _cudart_of_extension():
+    """The CUDA runtime our extension is linked to, as loaded in this process."""
+    import ctypes
+
+    native()  # loads fp8linear._C and its libcudart
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    if not paths:
+        pytest.skip("the CUDA runtime is linked statically: no shared libcudart to leave an error in")
+    return ctypes.CDLL(paths[0])
+
+
+def test_an_earlier_pending_cuda_error_is_not_blamed_on_our_kernels():
+    import ctypes
+
+    cudart = _cudart_of_extension()
+    a, b, scale_a, scale_b = _operands(4, 32, 16)
+    x = torch.randn(4, 32, device="cuda")
+    for call, op in ((lambda: fp8linear.scaled_mm(a, b, scale_a, scale_b), "scaled_mm"),
+                     (lambda: fp8linear.quantize_fp8(x), "quantize_fp8")):
+        pointer = ctypes.c_void_p()
+        # an allocation no GPU has: cudaErrorMemoryAllocation, left pending on this thread
+        assert cudart.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(1 << 62)) != 0
+        with pytest.raises(RuntimeError, match=rf"{op}: a CUDA error from an earlier operation was pending"):
+            call()
+        call()  # the error was not sticky: reported once, then cleared
+    torch.cuda.synchronize()
+
+
 def test_second_gpu_uses_its_own_device():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")

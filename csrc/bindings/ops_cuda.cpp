@@ -43,6 +43,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   check_cuda(x, "x");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(fp8_cuda_pending_error("quantize_fp8"));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions float_options = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
@@ -130,6 +131,7 @@ at::Tensor scaled_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Te
   check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
   check_cuda(a, "a");
   const c10::cuda::CUDAGuard guard(a.device());
+  check_launch(fp8_cuda_pending_error("scaled_mm"));
   const int64_t m = a.size(0), n = b.size(1);
   at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
   if (m == 0 || n == 0) {

@@ -23,6 +23,12 @@ typedef struct {
 // Properties of `device`, queried once per device and cached.
 const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error);
 
+// NULL, or a message for a CUDA error already pending on this thread before an op
+// launched anything (an earlier operation's, or a sticky fault of an earlier kernel),
+// which it clears where CUDA allows. The ops call it first, so that check_launch's
+// cudaGetLastError after a launch reports only what the launch itself raised.
+const char* fp8_cuda_pending_error(const char* op);
+
 // ---- quantize_fp8 ---------------------------------------------------------
 // p->q is contiguous [rows, cols]; scales are float32 on the device.
 

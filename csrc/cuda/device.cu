@@ -39,6 +39,15 @@ cudaError_t device_errors[kMaxDevices];
 
 }  // namespace
 
+const char* fp8_cuda_pending_error(const char* op) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return nullptr;
+  return fp8cuda::error_text(
+      "fp8linear CUDA: %s: a CUDA error from an earlier operation was pending before fp8linear launched anything "
+      "(it was not raised by fp8linear's kernels): %s (%s)",
+      op, cudaGetErrorString(error), cudaGetErrorName(error));
+}
+
 const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error) {
   if (device < 0 || device >= kMaxDevices) {
     *error = fp8cuda::error_text("fp8linear CUDA: device index %d is out of range", device);
