@@ -31,8 +31,10 @@ class FP8PathWarning(UserWarning):
 def backend(device: torch.device | str | None = None) -> str:
     """The compute path FP8Linear takes on ``device`` (default: the CPU).
 
-    ``"cuda-fp8"``: FP8 tensor cores (compute capability >= 8.9);
-    ``"cuda-upconvert"``: an older GPU, fp8 weights widened inside the kernels;
+    ``"cuda-fp8"``: FP8 tensor cores (compute capability >= 8.9, and a build with code
+    for it: ``TORCH_CUDA_ARCH_LIST``);
+    ``"cuda-upconvert"``: an older GPU (or a build without 8.9+ code), fp8 weights
+    widened inside the kernels;
     ``"cpu"``: the C kernels (AMX / AVX512-BF16 / AVX-512 / AVX2 / scalar, by the CPU).
     """
     device = torch.device("cpu" if device is None else device)
@@ -45,7 +47,8 @@ def backend(device: torch.device | str | None = None) -> str:
                 "found at build time); rebuild with a CUDA torch and nvcc on PATH"
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return CUDA_FP8 if torch.cuda.get_device_capability(index) >= (8, 9) else CUDA_UPCONVERT
+        # the kernels' view of the device: an sm_80-only build runs as sm_80 on any GPU
+        return CUDA_FP8 if native().cuda_device_path(index) == "fp8" else CUDA_UPCONVERT
     raise ValueError(f"fp8linear supports cpu and cuda devices, got {device}")
 
 

@@ -324,8 +324,15 @@ def test_auto_picks_the_documented_path():
 def test_device_path_and_path_names():
     module = native()
     assert module.cuda_paths() == list(PATHS)
-    expected = "fp8" if _capability() >= (8, 9) else "upconvert" if _capability() >= (8, 0) else "generic"
-    assert module.cuda_device_path(torch.cuda.current_device()) == expected
+    device = torch.cuda.current_device()
+    arch = module.cuda_kernel_arch(device)
+    major, minor = _capability()
+    # the build's code for this device: the device's own architecture or an older one
+    assert 0 < arch <= major * 10 + minor
+    usable = min(arch, major * 10 + minor)
+    expected = "fp8" if usable >= 89 else "upconvert" if usable >= 80 else "generic"
+    assert module.cuda_device_path(device) == expected
+    assert fp8linear.backend("cuda") == ("cuda-fp8" if expected == "fp8" else "cuda-upconvert")
     with pytest.raises(ValueError, match="unknown CUDA path 'fast'"):
         module.set_cuda_path("fast")
     assert module.cuda_path() == "auto"

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -181,7 +182,8 @@ void set_cuda_path(const std::string& name) {
 // What a device gets without forcing: FP8 tensor cores, up-conversion, or the SIMT kernel.
 std::string cuda_device_path(int64_t device) {
   const fp8_cuda_device_info& info = device_info(static_cast<int>(device));
-  const int capability = info.major * 10 + info.minor;
+  // our kernels' view: a build without code for the device's architecture runs older code
+  const int capability = std::min(info.major * 10 + info.minor, info.kernel_arch);
   return capability >= 89 ? "fp8" : capability >= 80 ? "upconvert" : "generic";
 }
 
@@ -196,6 +198,10 @@ void register_cuda_python(pybind11::module& module) {
              "The CUDA path scaled_mm is forced to ('auto' when not forced).");
   module.def("cuda_last_path", [] { return std::string(fp8_cuda_path_name(last_path)); },
              "The path the last CUDA scaled_mm on this thread ran ('none' for an empty result).");
+  module.def("cuda_kernel_arch",
+             [](int64_t device) { return device_info(static_cast<int>(device)).kernel_arch; }, pybind11::arg("device"),
+             "The architecture this build's kernels run as on the device (their PTX target x 10 / 100: 80, 89, 90; "
+             "0 if the build has no code for it): below the compute capability when TORCH_CUDA_ARCH_LIST lacked it.");
   module.def("cuda_device_path", &cuda_device_path, pybind11::arg("device"),
              "What the device runs by default: 'fp8' (tensor cores, cc >= 8.9), 'upconvert' (cc >= 8.0) or 'generic'.");
 }

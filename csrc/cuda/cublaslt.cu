@@ -242,7 +242,10 @@ const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params* p, int major, 
 }
 
 size_t fp8_cuda_workspace_bytes(const fp8_scaled_mm_params* p) {
-  const int64_t scale_floats = fp8_k_blocked(p) ? std::max(block_scale_layout(p).total_floats, kBroadcastFloats)
+  // one launch's rows: a larger call runs in parts that reuse the workspace in turn
+  fp8_scaled_mm_params part = *p;
+  part.m = std::min<int64_t>(p->m, FP8_CUDA_MAX_LAUNCH_ROWS);
+  const int64_t scale_floats = fp8_k_blocked(p) ? std::max(block_scale_layout(&part).total_floats, kBroadcastFloats)
                                                 : kBroadcastFloats;
   return kWorkspaceBytes + static_cast<size_t>(scale_floats) * sizeof(float);
 }
@@ -416,15 +419,21 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
                           descriptors.d, p->out, descriptors.d, &cached.algorithm, workspace.memory, workspace.bytes,
                           stream);
   if (status == CUBLAS_STATUS_SUCCESS) return nullptr;
-  if (mode != kScalar && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
-    // NOT_SUPPORTED: the documented way a device without outer-vector (block) scales
-    // says so, remembered for the device. INVALID_VALUE may concern this problem only:
-    // only its algorithm is forgotten (this shape falls back from now on; others still try).
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
+    // NOT_SUPPORTED with vector or block scales: the documented way a device without
+    // them says so, remembered for the device. Otherwise (INVALID_VALUE, or a per-tensor
+    // call: cublasLt.h says an unsupported combination of types and scales is reported
+    // by cublasLtMatmul, not by the heuristic) it may concern this problem only: only its
+    // algorithm is forgotten (this shape falls back from now on; others still try).
     std::lock_guard<std::mutex> lock(cache_mutex);
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED) (outer_vector ? outer_vector_refused : block_scales_refused)[device] = true;
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED && mode != kScalar) {
+      (outer_vector ? outer_vector_refused : block_scales_refused)[device] = true;
+    }
     algorithms[key] = CachedAlgorithm{false, cached.algorithm};
     *unsupported = 1;
-    return status_message(outer_vector ? "cublasLtMatmul refused outer-vector scales" : "cublasLtMatmul refused block scales",
+    return status_message(outer_vector ? "cublasLtMatmul refused outer-vector scales"
+                          : blocks     ? "cublasLtMatmul refused block scales"
+                                       : "cublasLtMatmul refused this problem",
                           status);
   }
   return status_message("cublasLtMatmul", status);

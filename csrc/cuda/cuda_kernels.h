@@ -18,6 +18,12 @@
 typedef struct {
   int major, minor;        // compute capability
   int multiprocessors;
+  // The architecture our kernels run as on this device (their PTX target, as in
+  // __CUDA_ARCH__ / 10: 80, 89, 90), which a build's TORCH_CUDA_ARCH_LIST decides: an
+  // sm_80-only build runs as 80 on an sm_89 GPU, where its fp8 mma compiles to a trap.
+  // 0 where the build has no code for the device. Paths of our kernels go by
+  // min(compute capability, kernel_arch); cuBLASLt by the compute capability.
+  int kernel_arch;
 } fp8_cuda_device_info;
 
 // Properties of `device`, queried once per device and cached.
@@ -61,8 +67,9 @@ typedef enum {
 
 const char* fp8_cuda_path_name(fp8_cuda_path path);
 
-// Why `path` cannot run this call on a device of capability major.minor, or NULL if it can.
-const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p, int major, int minor);
+// Why `path` cannot run this call on the device `info` describes, or NULL if it can.
+const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p,
+                                  const fp8_cuda_device_info* info);
 
 // Device memory the caller provides for one call (the bindings take it from torch's
 // caching allocator on the call's stream, which is also what CUDA-graph capture needs):
@@ -77,7 +84,10 @@ typedef struct {
 // broadcast scales, or more for the block scales of a large M: fp8_cuda_workspace_bytes),
 // and whether this call could reach cuBLASLt at all on `path` and `device` (otherwise the
 // caller need not allocate it).
+// The workspace is sized for one launch: calls of more than FP8_CUDA_MAX_LAUNCH_ROWS rows
+// run in parts of that many (fp8_cuda_scaled_mm_launch), one after another on the stream.
 enum { FP8_CUDA_CUBLASLT_WORKSPACE_BYTES = (32 << 20), FP8_CUDA_BROADCAST_FLOATS = (1 << 18) };
+enum { FP8_CUDA_MAX_LAUNCH_ROWS = (1 << 20) };
 int fp8_cuda_may_use_cublaslt(const fp8_scaled_mm_params* p, fp8_cuda_path path, int device);
 size_t fp8_cuda_workspace_bytes(const fp8_scaled_mm_params* p);
 

@@ -32,6 +32,28 @@ const char* error_text(const char* format, ...) {
 
 namespace {
 
+// Compiled like every kernel of the build: its attributes say which code the device runs.
+__global__ void arch_probe_kernel() {}
+
+// The PTX target our kernels run as on `device` (0: no code for it; not an error here,
+// the launches say so). Leaves no error pending.
+int kernel_arch_of(int device) {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaFuncAttributes attributes{};
+  cudaError_t status = previous == device ? cudaSuccess : cudaSetDevice(device);
+  if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, arch_probe_kernel);
+  if (previous != device) cudaSetDevice(previous);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return attributes.ptxVersion;
+}
+
 constexpr int kMaxDevices = 64;
 fp8_cuda_device_info device_infos[kMaxDevices];
 std::once_flag device_once[kMaxDevices];
@@ -60,6 +82,7 @@ const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error) {
     if (status == cudaSuccess) {
       status = cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device);
     }
+    if (status == cudaSuccess) info.kernel_arch = kernel_arch_of(device);
     device_errors[device] = status;
   });
   if (device_errors[device] != cudaSuccess) {

@@ -31,7 +31,7 @@ int capability(int major, int minor) { return major * 10 + minor; }
 // Rows per launch. Every kernel puts its row tiles in gridDim.y (at most 65535); the
 // smallest row tile of a call this large is 32 (forced gemv, block-wise), so 2^20 rows
 // make at most 32768 of them. Larger calls are launched in parts of this many rows.
-constexpr int64_t kMaxLaunchRows = int64_t{1} << 20;
+constexpr int64_t kMaxLaunchRows = FP8_CUDA_MAX_LAUNCH_ROWS;
 
 // The call restricted to rows [m0, m1) of a, scale_a and out.
 fp8_scaled_mm_params rows_of(const fp8_scaled_mm_params* p, int64_t m0, int64_t m1) {
@@ -50,15 +50,33 @@ bool k_contiguous(const fp8_scaled_mm_params* p) {
   return p->k <= 1 || (p->a_col_stride == 1 && p->b_row_stride == 1);
 }
 
-const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
-  if (capability(major, minor) < 89) return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
+// What our kernels can use: the device's capability, unless the build's code for it
+// targets an older one (fp8_cuda_device_info.kernel_arch).
+int kernel_capability(const fp8_cuda_device_info* info) {
+  return std::min(capability(info->major, info->minor), info->kernel_arch);
+}
+
+const char* older_build(const fp8_cuda_device_info* info, int needed) {
+  if (capability(info->major, info->minor) < needed || info->kernel_arch >= needed) return nullptr;
+  return fp8cuda::error_text(
+      "this build's kernels run as compute capability %d.%d on this device (TORCH_CUDA_ARCH_LIST had no %d.%d or "
+      "newer for it), and this path needs %d.%d: rebuild with it to use the device's tensor cores",
+      info->kernel_arch / 10, info->kernel_arch % 10, needed / 10, needed % 10, needed / 10, needed % 10);
+}
+
+const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, const fp8_cuda_device_info* info) {
+  if (const char* older = older_build(info, 89)) return older;
+  if (kernel_capability(info) < 89) return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
   if (p->a_is_float) return "a is a float dtype (weight-only): fp8 tensor cores need fp8 activations (use 'upconvert')";
   if (!k_contiguous(p)) return "needs K-contiguous operands: a row-major [M, K] and b = w.t() of a row-major [N, K]";
   return nullptr;
 }
 
-const char* upconvert_refusal(const fp8_scaled_mm_params* p, int major, int minor) {
-  if (capability(major, minor) < 80) return "16-bit tensor cores (mma.sync m16n8k16) need compute capability 8.0 or newer";
+const char* upconvert_refusal(const fp8_scaled_mm_params* p, const fp8_cuda_device_info* info) {
+  if (const char* older = older_build(info, 80)) return older;
+  if (kernel_capability(info) < 80) {
+    return "16-bit tensor cores (mma.sync m16n8k16) need compute capability 8.0 or newer";
+  }
   if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
     return "float32 activations would be rounded by a 16-bit multiply (the 'generic' path takes them)";
   }
@@ -85,13 +103,13 @@ const char* run(fp8_cuda_path path, const fp8_scaled_mm_params* p, int device, c
   }
 }
 
-fp8_cuda_path auto_path(const fp8_scaled_mm_params* p, int major, int minor) {
-  if (fp8_tensor_core_refusal(p, major, minor) == nullptr) {
+fp8_cuda_path auto_path(const fp8_scaled_mm_params* p, const fp8_cuda_device_info* info) {
+  if (fp8_tensor_core_refusal(p, info) == nullptr) {
     if (p->m <= kGemvMaxTokens) return FP8_CUDA_PATH_GEMV;
-    if (fp8_cuda_cublaslt_refusal(p, major, minor) == nullptr) return FP8_CUDA_PATH_CUBLASLT;
+    if (fp8_cuda_cublaslt_refusal(p, info->major, info->minor) == nullptr) return FP8_CUDA_PATH_CUBLASLT;
     return p->m <= kSkinnyMaxTokens ? FP8_CUDA_PATH_GEMV : FP8_CUDA_PATH_GEMM;
   }
-  if (upconvert_refusal(p, major, minor) == nullptr) return FP8_CUDA_PATH_UPCONVERT;
+  if (upconvert_refusal(p, info) == nullptr) return FP8_CUDA_PATH_UPCONVERT;
   return FP8_CUDA_PATH_GENERIC;
 }
 
@@ -110,12 +128,13 @@ const char* fp8_cuda_path_name(fp8_cuda_path path) {
   }
 }
 
-const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p, int major, int minor) {
+const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p,
+                                  const fp8_cuda_device_info* info) {
   switch (path) {
-    case FP8_CUDA_PATH_CUBLASLT: return fp8_cuda_cublaslt_refusal(p, major, minor);
+    case FP8_CUDA_PATH_CUBLASLT: return fp8_cuda_cublaslt_refusal(p, info->major, info->minor);
     case FP8_CUDA_PATH_GEMM:
-    case FP8_CUDA_PATH_GEMV: return fp8_tensor_core_refusal(p, major, minor);
-    case FP8_CUDA_PATH_UPCONVERT: return upconvert_refusal(p, major, minor);
+    case FP8_CUDA_PATH_GEMV: return fp8_tensor_core_refusal(p, info);
+    case FP8_CUDA_PATH_UPCONVERT: return upconvert_refusal(p, info);
     default: return nullptr;
   }
 }
@@ -138,9 +157,10 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
   const fp8_cuda_device_info* info = fp8_cuda_device(device, &error);
   if (info == nullptr) return error;
   if (path != FP8_CUDA_PATH_AUTO && p->k != 0) {
-    if (const char* refusal = fp8_cuda_path_refusal(path, p, info->major, info->minor)) {
+    if (const char* refusal = fp8_cuda_path_refusal(path, p, info)) {
+      const std::string reason = refusal;  // it may sit in the buffer error_text writes
       return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
-                                 fp8_cuda_path_name(path), info->major, info->minor, refusal);
+                                 fp8_cuda_path_name(path), info->major, info->minor, reason.c_str());
     }
   }
   // (after the forced path's check: the whole call is refused or run, never a part of it)
@@ -158,7 +178,7 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
     return fp8_cuda_generic_launch(p, stream);
   }
   if (path == FP8_CUDA_PATH_AUTO) {
-    const fp8_cuda_path chosen = auto_path(p, info->major, info->minor);
+    const fp8_cuda_path chosen = auto_path(p, info);
     *used = chosen;
     error = run(chosen, p, device, info, stream, workspace, &unsupported);
     if (!unsupported) return error;
