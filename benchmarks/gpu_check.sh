@@ -96,7 +96,7 @@ grep -E "^fp8linear: building" "$LOG" | tail -1
 section "build: $status_build"
 
 if [ "$status_build" = ok ]; then
-  timeout 60 "$PYTHON" -c "import fp8linear._C as c; print('cuda_built', c.cuda_built(), 'device path', c.cuda_device_path(0))" \
+  timeout 60 "$PYTHON" -c "import fp8linear._C as c; print('cuda_built', c.cuda_built(), 'device path', c.cuda_device_path(0), 'kernel arch', c.cuda_kernel_arch(0))" \
     2>&1 | tee -a "$LOG"
   section "tests"
   per_test=()
