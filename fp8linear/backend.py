@@ -19,8 +19,9 @@ CUDA_UPCONVERT = "cuda-upconvert"
 _EXPLANATIONS = {
     CPU: "CPUs have no FP8 arithmetic: the C kernels widen fp8 in registers (exactly, to bf16 "
     "or float32) and accumulate in float32; weights stay 8-bit in memory",
-    CUDA_UPCONVERT: "this GPU is below compute capability 8.9 (no FP8 tensor cores): fp8 "
-    "weights are widened inside fp8linear's kernels; weights stay 8-bit in memory",
+    CUDA_UPCONVERT: "this GPU is below compute capability 8.9 (no FP8 tensor cores), or this build "
+    "has no 8.9+ code for it (TORCH_CUDA_ARCH_LIST): fp8 weights are widened inside fp8linear's "
+    "kernels; weights stay 8-bit in memory",
 }
 
 

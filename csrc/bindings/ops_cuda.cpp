@@ -180,8 +180,16 @@ void set_cuda_path(const std::string& name) {
 }
 
 // What a device gets without forcing: FP8 tensor cores, up-conversion, or the SIMT kernel.
+// (a guard on the device asked about, so that querying it never touches another GPU)
+const fp8_cuda_device_info& guarded_device_info(int64_t device) {
+  TORCH_CHECK_VALUE(device >= 0 && device < c10::cuda::device_count(), "CUDA device index ", device,
+                    " is out of range: this process sees ", static_cast<int>(c10::cuda::device_count()), " GPU(s)");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return device_info(static_cast<int>(device));
+}
+
 std::string cuda_device_path(int64_t device) {
-  const fp8_cuda_device_info& info = device_info(static_cast<int>(device));
+  const fp8_cuda_device_info& info = guarded_device_info(device);
   // our kernels' view: a build without code for the device's architecture runs older code
   const int capability = std::min(info.major * 10 + info.minor, info.kernel_arch);
   return capability >= 89 ? "fp8" : capability >= 80 ? "upconvert" : "generic";
@@ -199,7 +207,7 @@ void register_cuda_python(pybind11::module& module) {
   module.def("cuda_last_path", [] { return std::string(fp8_cuda_path_name(last_path)); },
              "The path the last CUDA scaled_mm on this thread ran ('none' for an empty result).");
   module.def("cuda_kernel_arch",
-             [](int64_t device) { return device_info(static_cast<int>(device)).kernel_arch; }, pybind11::arg("device"),
+             [](int64_t device) { return guarded_device_info(device).kernel_arch; }, pybind11::arg("device"),
              "The architecture this build's kernels run as on the device (their PTX target x 10 / 100: 80, 89, 90; "
              "0 if the build has no code for it): below the compute capability when TORCH_CUDA_ARCH_LIST lacked it.");
   module.def("cuda_device_path", &cuda_device_path, pybind11::arg("device"),

@@ -36,7 +36,9 @@ namespace {
 __global__ void arch_probe_kernel() {}
 
 // The PTX target our kernels run as on `device` (0: no code for it; not an error here,
-// the launches say so). Leaves no error pending.
+// the launches say so). Leaves no error pending. Callers hold a device guard for
+// `device` (the ops and the bindings do), so the switch below is a fallback: switching
+// back would create a context on the previous device.
 int kernel_arch_of(int device) {
   int previous = 0;
   if (cudaGetDevice(&previous) != cudaSuccess) {
@@ -65,8 +67,8 @@ const char* fp8_cuda_pending_error(const char* op) {
   const cudaError_t error = cudaGetLastError();
   if (error == cudaSuccess) return nullptr;
   return fp8cuda::error_text(
-      "fp8linear CUDA: %s: a CUDA error from an earlier operation was pending before fp8linear launched anything "
-      "(it was not raised by fp8linear's kernels): %s (%s)",
+      "fp8linear CUDA: %s: a CUDA error raised before this call was pending (left by an earlier operation, or a "
+      "fault of an earlier kernel, fp8linear's included, that surfaced only now): %s (%s)",
       op, cudaGetErrorString(error), cudaGetErrorName(error));
 }
 
@@ -82,7 +84,11 @@ const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error) {
     if (status == cudaSuccess) {
       status = cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device);
     }
-    if (status == cudaSuccess) info.kernel_arch = kernel_arch_of(device);
+    if (status == cudaSuccess) {
+      info.kernel_arch = kernel_arch_of(device);
+    } else {
+      cudaGetLastError();  // (an invalid index: reported below, not left pending for the next op)
+    }
     device_errors[device] = status;
   });
   if (device_errors[device] != cudaSuccess) {

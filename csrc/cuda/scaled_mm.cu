@@ -58,6 +58,9 @@ int kernel_capability(const fp8_cuda_device_info* info) {
 
 const char* older_build(const fp8_cuda_device_info* info, int needed) {
   if (capability(info->major, info->minor) < needed || info->kernel_arch >= needed) return nullptr;
+  if (info->kernel_arch == 0) {
+    return "this build has no code for this device's architecture (add it to TORCH_CUDA_ARCH_LIST and rebuild)";
+  }
   return fp8cuda::error_text(
       "this build's kernels run as compute capability %d.%d on this device (TORCH_CUDA_ARCH_LIST had no %d.%d or "
       "newer for it), and this path needs %d.%d: rebuild with it to use the device's tensor cores",
