@@ -344,6 +344,10 @@ def test_device_path_and_path_names():
     expected = "fp8" if usable >= 89 else "upconvert" if usable >= 80 else "generic"
     assert module.cuda_device_path(device) == expected
     assert fp8linear.backend("cuda") == ("cuda-fp8" if expected == "fp8" else "cuda-upconvert")
+    # an index this process does not see: refused before CUDA is asked, nothing left pending
+    with pytest.raises(ValueError, match="out of range"):
+        fp8linear.backend(f"cuda:{torch.cuda.device_count()}")
+    fp8linear.scaled_mm(*_operands(4, 32, 16))
     with pytest.raises(ValueError, match="unknown CUDA path 'fast'"):
         module.set_cuda_path("fast")
     assert module.cuda_path() == "auto"
