@@ -109,6 +109,15 @@ def test_formats_scales_and_bias(dtype, out_dtype, per_row, m, amx_variant):
     _check(*_operands(m, 200, 45, dtype, per_row), bias=bias, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n", [(90, 45), (600, 70), (130, 530)])
+def test_panel_kernel_epilogue_bias_and_dtypes(m, n, out_dtype, amx_variant):
+    # K > 2048: the panel kernel, whose last K block finishes each 32 x 32 block among the
+    # next block's products (a block pending across panels, column blocks and row chunks)
+    bias = torch.randn(n).to(out_dtype)
+    _check(*_operands(m, 2100, n, per_row=True), bias=bias, out_dtype=out_dtype)
+
+
 @pytest.mark.parametrize("m", [9, 40, 70])
 def test_weight_only_bf16_activations(m, amx_variant):
     x = torch.randn(m, 150, dtype=torch.bfloat16)

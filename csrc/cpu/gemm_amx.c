@@ -17,7 +17,9 @@
  *   for all of K, and each 32 x 32 output block finished right after its products;
  * - the panel kernel (M > 64, larger K, this file): panels of 64 weight rows x 256 k, each used by a
  *   chunk of up to 512 activation rows, with 2 x 2 C tiles whose sums are kept in memory
- *   between K blocks. (Tried: 3 x 1 C tiles over 48-row panels, which load each
+ *   between K blocks; in the last K block each 32 x 32 block's epilogue runs among the
+ *   next block's tile products, from L1 (after each panel, from L2, it took 1-4% more
+ *   time at M = 256-2048 on the Llama shapes, same bits). (Tried: 3 x 1 C tiles over 48-row panels, which load each
  *   activation tile from L2 once per panel instead of twice but each weight tile once
  *   per product: scaled_mm time over this kernel's, 2 threads, medians of 6 alternated
  *   processes, 4096 x 4096 x M = 1024 0.96, 14336 x 4096 x 512 1.07, 4096 x 14336 x 512
@@ -48,6 +50,29 @@ enum {
 
 /* ---- the panel kernel (M > 64, K > FP8_AMX_FULL_K_MAX) ----------------------- */
 
+/* A finished 32 x 32 block of the output (its sums final in the panel's sums, in L1 right
+ * after its last K block): its epilogue, 16 x 16 pieces spread among the tile products of
+ * the next block, as in the full-K kernel. The block's sums are not written again before
+ * it is done: the next block's are elsewhere in the chunk's sums, and the pending block
+ * is finished before the next row chunk or the end. */
+typedef struct {
+  const float* sums;       /* its first tile's sums, in the panel's layout */
+  fp8_sums_layout layout;
+  int64_t m_begin, m_end;  /* its rows */
+  int64_t n0, cols;        /* its weight rows */
+  int col_groups, count, done;
+} panel_pending;
+
+BF16_TARGET ALWAYS_INLINE void panel_pending_piece(const fp8_scaled_mm_params* p, panel_pending* e) {
+  const int64_t r0 = (e->done / e->col_groups) * AMX_ROWS, c0 = (e->done % e->col_groups) * AMX_ROWS;
+  fp8_bf16_tile_epilogue16(p, e->sums, e->layout, e->m_begin, e->m_end, e->n0, e->cols, r0, c0);
+  ++e->done;
+}
+
+BF16_TARGET ALWAYS_INLINE void panel_pending_finish(const fp8_scaled_mm_params* p, panel_pending* e) {
+  while (e->done < e->count) panel_pending_piece(p, e);
+}
+
 /* C tiles for weight-row groups g, g + 1 (if both) and activation-row groups r, r + 1
  * (if both) over one widened panel: their sums (one contiguous 1 KiB block per C tile,
  * `col_group` floats from group g to g + 1) are loaded (or zeroed for the first K
@@ -57,8 +82,8 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
                                           const uint32_t* b1, int64_t steps, float* sums, int64_t col_group, int first,
                                           panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
                                           const fp8_scaled_mm_params* p, int64_t n_first, const __m512* scale_rows,
-                                          int64_t kb, float* block_tiles, const int both_cols, const int both_rows,
-                                          const int emulated, amx_model* model) {
+                                          int64_t kb, float* block_tiles, panel_pending* pending, const int both_cols,
+                                          const int both_rows, const int emulated, amx_model* model) {
   const int64_t sums_stride = AMX_ROWS * (int64_t)sizeof(float);
   float* s00 = sums;                          /* weight rows g*16.., activation rows r*16.. */
   float* s01 = sums + AMX_ROWS * AMX_ROWS;    /* activation rows (r + 1)*16.. */
@@ -81,7 +106,10 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   for (int64_t s = 0; s < steps; ++s) {
     tile_step(panel_g, panel_g1, b0, b1, s, 0, both_cols, both_rows, emulated, model);
     widen_units(next, t, widen_per_step);
+    if (pending->done < pending->count && pending->done * steps < (s + 1) * pending->count)
+      panel_pending_piece(p, pending);
   }
+  panel_pending_finish(p, pending); /* (fewer steps than pieces) */
   if (blocked) {
     add_block_tiles(p, block_tiles, s00, s01, s10, s11, n_first, scale_rows, kb, first, both_cols, both_rows, emulated,
                     model);
@@ -141,6 +169,7 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
    * per panel, its masked gathers took ~6% of the call (4096 x 4096, M = 256, one core) */
   __m512 scale_rows[(int)AMX_ROW_CHUNK / AMX_ROWS + 1];
   int64_t scale_k0 = -1;
+  panel_pending pending = {sums, layout, 0, 0, 0, 0, 1, 0, 0};
   panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0], AMX_PANEL_COLS);
   widen_units(&next, &t, next.left);
   for (int current = 0; at.n0 < n_end; current ^= 1) {
@@ -180,12 +209,22 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
         TWO_BY_TWO_CASES(tile_block, panel_g, panel_g + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps,
                          block_sums, layout.col_group,
                          k0 == 0, &next, &t, widen_per_step, p, n0 + g * AMX_ROWS, scale_rows + r0 / AMX_ROWS,
-                         k0 / FP8_SCALE_BLOCK, block_tiles)
+                         k0 / FP8_SCALE_BLOCK, block_tiles, &pending)
+        if (k0 + k_block >= kp) { /* the block's sums are final: its epilogue during the next block */
+          pending.sums = block_sums;
+          pending.m_begin = m_begin + r0;
+          pending.m_end = m_begin + r0 + 2 * AMX_ROWS < m_end ? m_begin + r0 + 2 * AMX_ROWS : m_end;
+          pending.n0 = n0 + g * AMX_ROWS;
+          pending.cols = cols - g * AMX_ROWS < 2 * AMX_ROWS ? cols - g * AMX_ROWS : 2 * AMX_ROWS;
+          pending.col_groups = both_cols ? 2 : 1;
+          pending.count = pending.col_groups * (both_rows ? 2 : 1);
+          pending.done = 0;
+        }
       }
     }
     widen_units(&next, &t, next.left); /* whatever the steps left */
-    if (k0 + k_block >= kp) fp8_bf16_tile_epilogue(p, panel_sums, layout, m_begin, m_end, n0, cols);
   }
+  panel_pending_finish(p, &pending);
 #undef PANEL_COLS_AT
 #undef K_BLOCK_AT
 }
