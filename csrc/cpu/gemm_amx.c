@@ -50,29 +50,6 @@ enum {
 
 /* ---- the panel kernel (M > 64, K > FP8_AMX_FULL_K_MAX) ----------------------- */
 
-/* A finished 32 x 32 block of the output (its sums final in the panel's sums, in L1 right
- * after its last K block): its epilogue, 16 x 16 pieces spread among the tile products of
- * the next block, as in the full-K kernel. The block's sums are not written again before
- * it is done: the next block's are elsewhere in the chunk's sums, and the pending block
- * is finished before the next row chunk or the end. */
-typedef struct {
-  const float* sums;       /* its first tile's sums, in the panel's layout */
-  fp8_sums_layout layout;
-  int64_t m_begin, m_end;  /* its rows */
-  int64_t n0, cols;        /* its weight rows */
-  int col_groups, count, done;
-} panel_pending;
-
-BF16_TARGET ALWAYS_INLINE void panel_pending_piece(const fp8_scaled_mm_params* p, panel_pending* e) {
-  const int64_t r0 = (e->done / e->col_groups) * AMX_ROWS, c0 = (e->done % e->col_groups) * AMX_ROWS;
-  fp8_bf16_tile_epilogue16(p, e->sums, e->layout, e->m_begin, e->m_end, e->n0, e->cols, r0, c0);
-  ++e->done;
-}
-
-BF16_TARGET ALWAYS_INLINE void panel_pending_finish(const fp8_scaled_mm_params* p, panel_pending* e) {
-  while (e->done < e->count) panel_pending_piece(p, e);
-}
-
 /* C tiles for weight-row groups g, g + 1 (if both) and activation-row groups r, r + 1
  * (if both) over one widened panel: their sums (one contiguous 1 KiB block per C tile,
  * `col_group` floats from group g to g + 1) are loaded (or zeroed for the first K
@@ -82,7 +59,7 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
                                           const uint32_t* b1, int64_t steps, float* sums, int64_t col_group, int first,
                                           panel_widener* next, const widen_tables_t* t, int64_t widen_per_step,
                                           const fp8_scaled_mm_params* p, int64_t n_first, const __m512* scale_rows,
-                                          int64_t kb, float* block_tiles, panel_pending* pending, const int both_cols,
+                                          int64_t kb, float* block_tiles, pending_epilogue* pending, const int both_cols,
                                           const int both_rows, const int emulated, amx_model* model) {
   const int64_t sums_stride = AMX_ROWS * (int64_t)sizeof(float);
   float* s00 = sums;                          /* weight rows g*16.., activation rows r*16.. */
@@ -106,10 +83,9 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint16_t* panel_g, const uint16_
   for (int64_t s = 0; s < steps; ++s) {
     tile_step(panel_g, panel_g1, b0, b1, s, 0, both_cols, both_rows, emulated, model);
     widen_units(next, t, widen_per_step);
-    if (pending->done < pending->count && pending->done * steps < (s + 1) * pending->count)
-      panel_pending_piece(p, pending);
+    pending_step(p, pending, s, steps); /* the previous block's epilogue (amx_kernels.h) */
   }
-  panel_pending_finish(p, pending); /* (fewer steps than pieces) */
+  pending_finish(p, pending); /* (fewer steps than pieces) */
   if (blocked) {
     add_block_tiles(p, block_tiles, s00, s01, s10, s11, n_first, scale_rows, kb, first, both_cols, both_rows, emulated,
                     model);
@@ -169,7 +145,10 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
    * per panel, its masked gathers took ~6% of the call (4096 x 4096, M = 256, one core) */
   __m512 scale_rows[(int)AMX_ROW_CHUNK / AMX_ROWS + 1];
   int64_t scale_k0 = -1;
-  panel_pending pending = {sums, layout, 0, 0, 0, 0, 1, 0, 0};
+  /* a block finished in the last K block: its epilogue during the next block's products.
+   * Its sums are not written again before that: the next block's are elsewhere in the
+   * chunk's sums, and the pending block is finished before the next row chunk. */
+  pending_epilogue pending = no_pending_epilogue(sums, layout);
   panel_widener next = panel_widener_of(p, at.n0, PANEL_COLS_AT(at.n0), 0, K_BLOCK_AT(0), panels[0], AMX_PANEL_COLS);
   widen_units(&next, &t, next.left);
   for (int current = 0; at.n0 < n_end; current ^= 1) {
@@ -210,21 +189,14 @@ BF16_TARGET ALWAYS_INLINE void amx_rows(const fp8_scaled_mm_params* p, const fp8
                          block_sums, layout.col_group,
                          k0 == 0, &next, &t, widen_per_step, p, n0 + g * AMX_ROWS, scale_rows + r0 / AMX_ROWS,
                          k0 / FP8_SCALE_BLOCK, block_tiles, &pending)
-        if (k0 + k_block >= kp) { /* the block's sums are final: its epilogue during the next block */
-          pending.sums = block_sums;
-          pending.m_begin = m_begin + r0;
-          pending.m_end = m_begin + r0 + 2 * AMX_ROWS < m_end ? m_begin + r0 + 2 * AMX_ROWS : m_end;
-          pending.n0 = n0 + g * AMX_ROWS;
-          pending.cols = cols - g * AMX_ROWS < 2 * AMX_ROWS ? cols - g * AMX_ROWS : 2 * AMX_ROWS;
-          pending.col_groups = both_cols ? 2 : 1;
-          pending.count = pending.col_groups * (both_rows ? 2 : 1);
-          pending.done = 0;
-        }
+        if (k0 + k_block >= kp) /* the block's sums are final */
+          pending_block(&pending, block_sums, m_begin + r0, m_end, n0 + g * AMX_ROWS,
+                        cols - g * AMX_ROWS < 2 * AMX_ROWS ? cols - g * AMX_ROWS : 2 * AMX_ROWS, both_rows);
       }
     }
     widen_units(&next, &t, next.left); /* whatever the steps left */
   }
-  panel_pending_finish(p, &pending);
+  pending_finish(p, &pending);
 #undef PANEL_COLS_AT
 #undef K_BLOCK_AT
 }

@@ -25,30 +25,8 @@ static int64_t full_k_chunk_rows(int64_t k_padded) {
   return rows < AMX_ROW_CHUNK ? rows : AMX_ROW_CHUNK;
 }
 
-/* A finished 32 x 32 block whose epilogue (scale, bias, rounding, store) is spread among
- * the tile products of the next block, one 16 x 16 piece at a time, from a buffer of its
- * own. Leaving the epilogue out (wrong results) made this kernel 1.3x faster at K = 576
- * and 1.8x at K = 128 (M = 2048, Intel Xeon with AMX, 2 threads); spread like this it
- * overlaps the tile products only in part: 3-6% faster than between blocks at
- * M = 512, K = 576-1536, within +-3% at M = 2048. */
-typedef struct {
-  const float* sums;      /* its tiles (or K-blocked totals), [weight group][activation group][16][16] */
-  int64_t m_begin, m_end; /* its rows */
-  int64_t n0, cols;       /* its weight rows */
-  int col_groups, count, done; /* pieces: (row group, weight-row group) pairs, and how many are written */
-} pending_epilogue;
-
+/* A block's stored tiles (or K-blocked totals): [weight group][activation group][16][16]. */
 static const fp8_sums_layout full_k_layout = {AMX_ROWS, 2 * AMX_ROWS * AMX_ROWS, AMX_ROWS * AMX_ROWS};
-
-BF16_TARGET ALWAYS_INLINE void pending_piece(const fp8_scaled_mm_params* p, pending_epilogue* e) {
-  const int64_t r0 = (e->done / e->col_groups) * AMX_ROWS, c0 = (e->done % e->col_groups) * AMX_ROWS;
-  fp8_bf16_tile_epilogue16(p, e->sums, full_k_layout, e->m_begin, e->m_end, e->n0, e->cols, r0, c0);
-  ++e->done;
-}
-
-BF16_TARGET ALWAYS_INLINE void pending_finish(const fp8_scaled_mm_params* p, pending_epilogue* e) {
-  while (e->done < e->count) pending_piece(p, e);
-}
 
 /* One 32 x 32 block over all of K: C tiles 0-3 (weight-row group g, g + 1 x activation-row
  * group r, r + 1), left in `tiles` ([weight group][activation group][16][16]); K-blocked
@@ -71,9 +49,7 @@ BF16_TARGET ALWAYS_INLINE void full_k_block(const uint16_t* panel_g, const uint1
   for (int64_t s = 0; s < steps; ++s) {
     tile_step(panel_g, panel_g1, b0, b1, s, 1, both_cols, both_rows, emulated, model);
     widen_units(next, t, widen_per_step);
-    /* the previous block's pieces, evenly over the steps (piece i at the first step s
-     * with i * steps < (s + 1) * count) */
-    if (pending->done < pending->count && pending->done * steps < (s + 1) * pending->count) pending_piece(p, pending);
+    pending_step(p, pending, s, steps); /* the previous block's epilogue */
     if (blocked && ((s + 1) % steps_per_block == 0 || s + 1 == steps)) {
       const int64_t kb = s / steps_per_block;
       add_block_tiles(p, tiles, totals, totals + tile_floats, totals + 2 * tile_floats, totals + 3 * tile_floats,
@@ -112,7 +88,7 @@ BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const f
   const int blocked = fp8_k_blocked(p);
   const int64_t k_blocks = (kp + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
   const int64_t chunk = full_k_chunk_rows(kp);
-  pending_epilogue pending = {buffers, 0, 0, 0, 0, 1, 0, 0};
+  pending_epilogue pending = no_pending_epilogue(buffers, full_k_layout);
   int buffer = 0;
 #define FULL_K_COLS_AT(n0) (n_end - (n0) < AMX_FULL_K_COLS ? n_end - (n0) : AMX_FULL_K_COLS)
   /* panels in order: chunk by chunk, within a chunk n_begin to n_end */
@@ -149,14 +125,7 @@ BF16_TARGET ALWAYS_INLINE void amx_full_k(const fp8_scaled_mm_params* p, const f
         TWO_BY_TWO_CASES(full_k_block, panel, panel + steps * AMX_TILE_BF16, b0, b0 + group_stride, steps, tiles, totals, &next,
                            &t, widen_per_step, p, n0, scale_table + r0 / AMX_ROWS, row_groups, &pending)
         /* this block's epilogue: during the next block's products */
-        pending.sums = blocked ? totals : tiles;
-        pending.m_begin = m0 + r0;
-        pending.m_end = m0 + r0 + 2 * AMX_ROWS < m1 ? m0 + r0 + 2 * AMX_ROWS : m1;
-        pending.n0 = n0;
-        pending.cols = cols;
-        pending.col_groups = both_cols ? 2 : 1;
-        pending.count = pending.col_groups * (both_rows ? 2 : 1);
-        pending.done = 0;
+        pending_block(&pending, blocked ? totals : tiles, m0 + r0, m1, n0, cols, both_rows);
         buffer ^= 1;
       }
       widen_units(&next, &t, next.left); /* whatever the steps left */
