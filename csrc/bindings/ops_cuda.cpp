@@ -8,7 +8,6 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -189,9 +188,8 @@ const fp8_cuda_device_info& guarded_device_info(int64_t device) {
 }
 
 std::string cuda_device_path(int64_t device) {
-  const fp8_cuda_device_info& info = guarded_device_info(device);
   // our kernels' view: a build without code for the device's architecture runs older code
-  const int capability = std::min(info.major * 10 + info.minor, info.kernel_arch);
+  const int capability = fp8_cuda_kernel_capability(&guarded_device_info(device));
   return capability >= 89 ? "fp8" : capability >= 80 ? "upconvert" : "generic";
 }
 

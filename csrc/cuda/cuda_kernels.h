@@ -29,6 +29,10 @@ typedef struct {
 // Properties of `device`, queried once per device and cached.
 const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error);
 
+// What our kernels can use there, as major * 10 + minor: the device's capability, unless
+// the build's code for it targets an older one (kernel_arch).
+int fp8_cuda_kernel_capability(const fp8_cuda_device_info* info);
+
 // NULL, or a message for a CUDA error already pending on this thread before an op
 // launched anything (an earlier operation's, or a sticky fault of an earlier kernel),
 // which it clears where CUDA allows. The ops call it first, so that check_launch's

@@ -50,12 +50,6 @@ bool k_contiguous(const fp8_scaled_mm_params* p) {
   return p->k <= 1 || (p->a_col_stride == 1 && p->b_row_stride == 1);
 }
 
-// What our kernels can use: the device's capability, unless the build's code for it
-// targets an older one (fp8_cuda_device_info.kernel_arch).
-int kernel_capability(const fp8_cuda_device_info* info) {
-  return std::min(capability(info->major, info->minor), info->kernel_arch);
-}
-
 const char* older_build(const fp8_cuda_device_info* info, int needed) {
   if (capability(info->major, info->minor) < needed || info->kernel_arch >= needed) return nullptr;
   if (info->kernel_arch == 0) {
@@ -69,7 +63,9 @@ const char* older_build(const fp8_cuda_device_info* info, int needed) {
 
 const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, const fp8_cuda_device_info* info) {
   if (const char* older = older_build(info, 89)) return older;
-  if (kernel_capability(info) < 89) return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
+  if (fp8_cuda_kernel_capability(info) < 89) {
+    return "fp8 tensor cores need compute capability 8.9 or newer (use 'upconvert')";
+  }
   if (p->a_is_float) return "a is a float dtype (weight-only): fp8 tensor cores need fp8 activations (use 'upconvert')";
   if (!k_contiguous(p)) return "needs K-contiguous operands: a row-major [M, K] and b = w.t() of a row-major [N, K]";
   return nullptr;
@@ -77,7 +73,7 @@ const char* fp8_tensor_core_refusal(const fp8_scaled_mm_params* p, const fp8_cud
 
 const char* upconvert_refusal(const fp8_scaled_mm_params* p, const fp8_cuda_device_info* info) {
   if (const char* older = older_build(info, 80)) return older;
-  if (kernel_capability(info) < 80) {
+  if (fp8_cuda_kernel_capability(info) < 80) {
     return "16-bit tensor cores (mma.sync m16n8k16) need compute capability 8.0 or newer";
   }
   if (p->a_is_float && p->a_float_dtype == FP8_FLOAT32) {
@@ -117,6 +113,10 @@ fp8_cuda_path auto_path(const fp8_scaled_mm_params* p, const fp8_cuda_device_inf
 }
 
 }  // namespace
+
+int fp8_cuda_kernel_capability(const fp8_cuda_device_info* info) {
+  return std::min(info->major * 10 + info->minor, info->kernel_arch);
+}
 
 const char* fp8_cuda_path_name(fp8_cuda_path path) {
   switch (path) {
