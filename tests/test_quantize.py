@@ -181,6 +181,17 @@ def test_large_single_row_splits_across_threads(dtype, cpu_variant):
     _assert_matches_reference(x.to(dtype))
 
 
+@pytest.mark.parametrize("elements", [36_864, 98_303, 98_305, 147_456 + 7, 1_179_648 + 63])
+def test_per_tensor_split_around_thread_thresholds(elements):
+    # contiguous inputs are cut into equal chunks, multiples of 64 elements, for the
+    # threads worth waking (at least 48K elements each): one thread, two, and several
+    # chunks each with a short last one; the largest value sits in the last chunk so
+    # that the amax pass must combine every chunk's
+    x = torch.randn(elements, dtype=torch.bfloat16)
+    x[-5] = 300.0
+    _assert_matches_reference(x)
+
+
 def test_dequantize_round_trip():
     x = torch.randn(64, 64)
     q, scale = fp8linear.quantize_fp8(x, granularity="row")

@@ -111,6 +111,7 @@ class ExactBuffers {
 // Work below this many elements per task is not worth a thread.
 constexpr int64_t kQuantizeGrain = 1 << 15;
 constexpr int64_t kQuantizeChunk = 1 << 18;
+constexpr int64_t kQuantizeMinTask = 3 << 14;  // per-tensor: elements a thread must get to be woken
 constexpr int64_t kScaledMmGrain = 1 << 16;
 
 // Rows per task when a task is a whole row: at least kQuantizeGrain elements.
@@ -118,21 +119,47 @@ int64_t quantize_row_grain(const fp8_quantize_params& p) {
   return std::max<int64_t>(1, kQuantizeGrain / std::max<int64_t>(1, p.cols));
 }
 
+// How a contiguous tensor, one long row, is cut for quantize_per_tensor: chunks of
+// `chunk` elements (a multiple of 64, so that each starts on a cache line), `grain` of
+// them per thread. Only threads with at least kQuantizeMinTask elements are woken, and
+// they get equal shares: chunks of kQuantizeGrain, the last one short, had left one
+// thread 32K elements and the other 4.8K at M = 64, K = 576 (36.8K elements), slower
+// than one thread. Per tensor, bf16, 2 threads, medians of 15 x 200 calls, us, this cut
+// vs that one, 3 alternated process rounds (Intel Xeon with AMX): 64 x 576 8.5-8.6 vs
+// 10.0-11.2, 128 x 576 12.7-13.0 vs 14.8-15.4, 256 x 576 16.6-17.8 vs 18.7-19.1,
+// 512 x 576 25.2-26.5 vs 28.0-29.5, 2048 x 576 93.5-94.1 vs 104-116 (the same 8 chunks
+// there, of 147456 elements instead of 147457: the old ones started off cache lines,
+// the likely cause). Thresholds of 32K, 64K and 96K elements per thread were slower at
+// 128-256 rows of 576 in at least one of two runs.
+struct RowSplit {
+  int64_t chunk, grain;
+};
+
+RowSplit split_long_row(int64_t cols, int64_t threads) {
+  const int64_t workers = std::clamp<int64_t>(cols / kQuantizeMinTask, 1, std::max<int64_t>(1, threads));
+  // up to 4 chunks per thread (the quantize pass walks them backwards), none over kQuantizeChunk
+  int64_t per_worker = std::clamp<int64_t>(cols / (workers * kQuantizeMinTask), 1, 4);
+  per_worker = std::max(per_worker, (cols + workers * kQuantizeChunk - 1) / (workers * kQuantizeChunk));
+  const int64_t chunks = workers * per_worker;
+  return {((cols + chunks - 1) / chunks + 63) / 64 * 64, per_worker};
+}
+
 // One scale for the whole tensor: a parallel amax, then a parallel quantize.
 // Long rows are split by columns so that a single huge row still uses every thread.
 float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> static_scale) {
   // Chunks of a long row: small enough that the last ones the amax pass read are still in
   // the last-level cache when the quantize pass, going backwards, reads them again.
-  const int64_t col_chunk = p.rows == 1 ? std::min<int64_t>(std::max<int64_t>(kQuantizeGrain, p.cols / (4 * at::get_num_threads()) + 1), kQuantizeChunk) : p.cols;
+  const RowSplit split = split_long_row(p.cols, at::get_num_threads());
+  const int64_t col_chunk = p.rows == 1 ? split.chunk : p.cols;
   const int64_t col_chunks = (p.cols + col_chunk - 1) / col_chunk;
-  const int64_t row_grain = quantize_row_grain(p);
+  const int64_t row_grain = p.rows == 1 ? split.grain : quantize_row_grain(p);
   const int64_t tasks = p.rows * col_chunks;
   float scale;
   if (static_scale.has_value()) {
     scale = *static_scale;
   } else {
     std::vector<float> amax(static_cast<size_t>(tasks), 0.0f);
-    at::parallel_for(0, tasks, p.rows == 1 ? 1 : row_grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tasks, row_grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t row = t / col_chunks, col = (t % col_chunks) * col_chunk;
         fp8_cpu_row_amax(&p, row, row + 1, col, std::min(p.cols, col + col_chunk), &amax[static_cast<size_t>(t)]);
@@ -144,7 +171,7 @@ float quantize_per_tensor(const fp8_quantize_params& p, std::optional<float> sta
   // Backwards: each thread starts with what its amax pass read last (the same split of
   // [0, tasks) over the threads), part of which is still cached (up to the L3's size of a
   // tensor that does not fit, instead of none of it).
-  at::parallel_for(0, tasks, p.rows == 1 ? 1 : row_grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, row_grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = end - 1; t >= begin; --t) {
       const int64_t row = t / col_chunks, col = (t % col_chunks) * col_chunk;
       fp8_cpu_quantize(&p, row, row + 1, col, std::min(p.cols, col + col_chunk), &scale, 0);
