@@ -50,15 +50,16 @@ __device__ __forceinline__ void clear(Slice<Kind>& slice) {
 
 // 16 bytes at row + offset. `aligned`: the row and offset are 16-byte aligned and
 // row_bytes is a multiple of 16, so a piece is wholly inside or wholly past the row.
-// Otherwise the piece is assembled with funnel shifts from the aligned 4-byte words
-// that hold it, and the bytes at or past row_bytes read as zero: the other operand's
-// padding is zero too, but a garbage NaN code times zero would still be NaN. A word
-// wholly before the row's end is loaded as one (its bytes before `start` belong to the
-// row, an earlier row or the storage before the tensor's first element, all inside the
-// allocation, whose start is aligned); the word the row ends in is gathered byte by
-// byte up to the end, since past the last row's end the allocation may end too (a
-// tensor of an odd number of bytes: compute-sanitizer's memcheck would report the
-// word, the hardware would not fault on it).
+// Otherwise the piece is assembled from the aligned 4-byte words that hold at least
+// one byte of the row with funnel shifts, and the bytes at or past row_bytes read as
+// zero: the other operand's padding is zero too, but a garbage NaN code times zero
+// would still be NaN. The word the last row of a tensor ends in is read whole: up to 3
+// bytes past the tensor, which for a tensor of an odd byte count lie past its requested
+// size. The hardware cannot fault on them (an aligned word lies in one page with the
+// row's last byte, and no other allocation starts inside it), but compute-sanitizer's memcheck
+// with PYTORCH_NO_CUDA_MEMORY_CACHING=1 may report them. Gathering that word byte by
+// byte (checked on the host against every misalignment) made ptxas spill 20-148 bytes
+// in the 8-token GEMV kernels (tests/test_cuda_compile.py), so it is left as it is.
 template <bool kStream>
 __device__ __forceinline__ uint4 load_row_bytes(const uint8_t* row, int64_t offset, int64_t row_bytes, bool aligned) {
   const int64_t valid = row_bytes - offset;
@@ -73,16 +74,8 @@ __device__ __forceinline__ uint4 load_row_bytes(const uint8_t* row, int64_t offs
   uint32_t w[5];
 #pragma unroll
   for (int i = 0; i < 5; ++i) {
-    const int64_t first = 4 * i - misalignment;  // the word's first byte, relative to start
-    w[i] = 0u;
-    if ((i == 4 && misalignment == 0) || first >= valid) continue;
-    if (first + 4 <= valid) {
-      w[i] = __ldg(words + i);
-    } else {
-#pragma unroll
-      for (int b = 0; b < 4; ++b)  // (bytes before start are shifted out below: left zero)
-        if (first + b >= 0 && first + b < valid) w[i] |= static_cast<uint32_t>(__ldg(start + first + b)) << (8 * b);
-    }
+    const bool needed = i < 4 || misalignment != 0;
+    w[i] = needed && 4 * i - misalignment < valid ? __ldg(words + i) : 0u;
   }
   uint32_t out[4];
 #pragma unroll
