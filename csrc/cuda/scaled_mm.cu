@@ -115,7 +115,7 @@ fp8_cuda_path auto_path(const fp8_scaled_mm_params* p, const fp8_cuda_device_inf
 }  // namespace
 
 int fp8_cuda_kernel_capability(const fp8_cuda_device_info* info) {
-  return std::min(info->major * 10 + info->minor, info->kernel_arch);
+  return std::min(capability(info->major, info->minor), info->kernel_arch);
 }
 
 const char* fp8_cuda_path_name(fp8_cuda_path path) {
