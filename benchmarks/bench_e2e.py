@@ -30,6 +30,7 @@ from common import RESULTS, cpu_description  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear.backend import cpu_kernel_variant  # noqa: E402
+from fp8linear.demo import median_ratio, prefill as prefill_pass, side_by_side  # noqa: E402
 
 # fp8linear.SCHEMES names: the default (per-tensor weights and dynamic activations), and
 # per-channel weights with dynamic per-token activations
@@ -46,21 +47,11 @@ def tiny_model():
     return LlamaForCausalLM(config).to(torch.bfloat16).eval(), "a random 2-layer Llama (smoke run)"
 
 
-def prefill_seconds(model, ids) -> float:
+def decode(model, ids, new_tokens: int) -> None:
     with torch.no_grad():  # as transformers' generate; inference mode would stop FP8Linear reusing q/k/v's input
-        start = time.perf_counter()
-        model(ids)
-        return time.perf_counter() - start
-
-
-def decode_tokens_per_second(model, ids, new_tokens: int) -> float:
-    with torch.no_grad():  # as transformers' generate; inference mode would stop FP8Linear reusing q/k/v's input
-        start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
-        elapsed = time.perf_counter() - start
     assert out.shape[1] - ids.shape[1] == new_tokens
-    return new_tokens / elapsed
 
 
 def run(args) -> dict:
@@ -77,29 +68,23 @@ def run(args) -> dict:
     models = {"bf16": base}
     for scheme in SCHEMES:
         models[scheme] = fp8linear.quantize_model(copy.deepcopy(base), "fp8", **fp8linear.SCHEMES[scheme])
-    # warm-up: the first passes allocate and fault in the kernels' memory
-    for model in models.values():
-        prefill_seconds(model, long_ids)
-        decode_tokens_per_second(model, short_ids, 2)
-    prefill = {name: [] for name in models}
-    decode = {name: [] for name in models}
-    for _ in range(args.rounds):
-        for name, model in models.items():
-            prefill[name].append(prefill_seconds(model, long_ids))
-    for _ in range(args.decode_rounds):
-        for name, model in models.items():
-            decode[name].append(decode_tokens_per_second(model, short_ids, args.new_tokens))
+    # the models take turns within each round, after a warm-up pass each (the first passes
+    # allocate and fault in the kernels' memory)
+    prefill = side_by_side(models, lambda model: prefill_pass(model, long_ids), args.rounds)
+    decode_seconds = side_by_side(models, lambda model: decode(model, short_ids, args.new_tokens), args.decode_rounds,
+                                  warm_up=lambda model: decode(model, short_ids, 2))
+    decode_speed = {name: [args.new_tokens / t for t in times] for name, times in decode_seconds.items()}
     results = {"description": description, "rows": []}
     for name in SCHEMES:
-        prefill_ratio = statistics.median(f / b for f, b in zip(prefill[name], prefill["bf16"]))
-        decode_ratio = statistics.median(f / b for f, b in zip(decode[name], decode["bf16"]))
+        prefill_ratio = median_ratio(prefill[name], prefill["bf16"])
+        decode_ratio = median_ratio(decode_speed[name], decode_speed["bf16"])
         results["rows"].append({
             "scheme": name,
             "prefill_bf16_ms": statistics.median(prefill["bf16"]) * 1e3,
             "prefill_fp8_ms": statistics.median(prefill[name]) * 1e3,
             "prefill_time_ratio": prefill_ratio,
-            "decode_bf16": statistics.median(decode["bf16"]),
-            "decode_fp8": statistics.median(decode[name]),
+            "decode_bf16": statistics.median(decode_speed["bf16"]),
+            "decode_fp8": statistics.median(decode_speed[name]),
             "decode_speed_ratio": decode_ratio,
         })
     return results

@@ -8,9 +8,12 @@ reference that the FP8 model is compared against.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import itertools
 import os
 import pathlib
+import statistics
 import time
 
 import torch
@@ -162,30 +165,66 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16):
     return loaded.to(device="cpu", dtype=dtype).eval(), tokenizer, description
 
 
-def generate_greedy(model, tokenizer, prompt: str, max_new_tokens: int, repeats: int = 3):
-    """Greedily continue ``prompt``; return ``(new_token_ids, text, tokens_per_second)``.
-
-    The prompt is encoded as plain text (no chat template).  A short warm-up
-    generation runs first so the timing excludes one-time setup costs, and the
-    speed is that of the fastest of ``repeats`` identical generations: on a
-    shared machine single runs were seen to stall for seconds at random.
-    """
+def _generation_settings(tokenizer, prompt: str) -> dict:
+    """generate()'s arguments for a greedy continuation of ``prompt`` (plain text, no chat template)."""
     inputs = tokenizer(prompt, return_tensors="pt")
-    prompt_length = inputs["input_ids"].shape[1]
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
         pad_token_id = tokenizer.eos_token_id
-    settings = dict(inputs, do_sample=False, pad_token_id=pad_token_id)
-    fastest = float("inf")
+    return dict(inputs, do_sample=False, pad_token_id=pad_token_id)
+
+
+def _generate(model, settings: dict, max_new_tokens: int) -> torch.Tensor:
     with torch.no_grad():  # as generate itself; inference mode would stop FP8Linear reusing q/k/v's input
-        model.generate(**settings, max_new_tokens=min(4, max_new_tokens))
-        for _ in range(max(1, repeats)):
+        return model.generate(**settings, max_new_tokens=max_new_tokens)
+
+
+def generate_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], str]:
+    """Greedily continue ``prompt``; return ``(new_token_ids, text)``."""
+    settings = _generation_settings(tokenizer, prompt)
+    output = _generate(model, settings, max_new_tokens)
+    new_token_ids = output[0, settings["input_ids"].shape[1]:].tolist()
+    return new_token_ids, tokenizer.decode(new_token_ids, skip_special_tokens=True)
+
+
+def prefill(model, ids: torch.Tensor) -> None:
+    """One forward pass over the prompt ``ids``: the prefill that gives the first new token's logits."""
+    with torch.no_grad():  # as generate; inference mode would stop FP8Linear reusing q/k/v's input
+        model(ids)
+
+
+def side_by_side(models: dict, run, rounds: int, warm_up=None) -> dict[str, list[float]]:
+    """Seconds that ``run(model)`` takes for each of ``models`` (name -> model), over
+    ``rounds`` rounds in which the models take turns, after one untimed ``warm_up(model)``
+    (default: ``run``) each, since the first calls allocate and fault in the kernels'
+    memory. Taking turns makes the host's drift, which moves these machines' speed by 10%
+    and more within minutes, hit every model alike; compare them by the median of the
+    per-round ratios (``median_ratio``)."""
+    for model in models.values():
+        (warm_up or run)(model)
+    seconds = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
             start = time.perf_counter()
-            output = model.generate(**settings, max_new_tokens=max_new_tokens)
-            fastest = min(fastest, time.perf_counter() - start)
-    new_token_ids = output[0, prompt_length:].tolist()
-    text = tokenizer.decode(new_token_ids, skip_special_tokens=True)
-    return new_token_ids, text, len(new_token_ids) / fastest
+            run(model)
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the per-round ratios ``numerators[i] / denominators[i]``."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def room_for_a_copy(model: torch.nn.Module) -> bool:
+    """Whether a second copy of ``model`` fits in half of the memory free now (Linux: the
+    kernel's count of available pages; elsewhere models up to 1 GiB are copied)."""
+    size = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return size <= 1 << 30
+    return 2 * size <= available
 
 
 # Text for the long prompt: repeated and cut to the requested number of tokens.
@@ -203,19 +242,6 @@ def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
     while len(ids) < tokens:
         ids += tokenizer(_PROMPT_TEXT, add_special_tokens=False)["input_ids"]
     return torch.tensor([ids[:tokens]])
-
-
-def time_to_first_token(model, ids: torch.Tensor, repeats: int = 5) -> float:
-    """Median seconds of a forward pass over the prompt `ids` (the prefill that produces
-    the first new token's logits), after one warm-up pass."""
-    times = []
-    with torch.no_grad():  # as generate; inference mode would stop FP8Linear reusing q/k/v's input
-        model(ids)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(ids)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
@@ -239,12 +265,18 @@ def _token_agreement(reference: list[int], candidate: list[int]):
     return (100.0 * sum(matches) / len(matches) if matches else 100.0), first_divergence
 
 
-def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=None, prompt_tokens=512) -> dict:
+def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=None, prompt_tokens=512,
+             rounds: int = 5, decode_rounds: int = 3) -> dict:
     """Compare a bfloat16 model with its FP8 conversion: memory, output and speed.
 
     Speed is measured twice: the time to the first token of a ``prompt_tokens``-token
     prompt (the prefill, where the linear layers run with that many rows; 0 skips it)
     and the tokens/s of greedy generation from ``prompt`` (decode, one row at a time).
+    Where a second copy of the model fits in memory (``room_for_a_copy``), the bf16 model
+    is kept beside its FP8 conversion and the two take turns (``rounds`` prefill rounds,
+    ``decode_rounds`` generations each): times are medians over the rounds and ratios the
+    medians of the per-round ratios. Otherwise bf16 is timed before the conversion and FP8
+    after it, which the host's drift between the two can move, and the printout says so.
     Prints a human-readable account and returns the figures as a dict; the
     FP8 memory figures are in the ``memory_report`` entry, as
     ``fp8linear.memory_report`` returned them.
@@ -266,30 +298,61 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
         print(f"nn.Linear weights (bfloat16): {bf16_linear_bytes / 1e6:.1f} MB")
 
         long_prompt = prompt_ids(tokenizer, prompt_tokens) if prompt_tokens else None
-        bf16_prefill = time_to_first_token(network, long_prompt) if prompt_tokens else None
-        bf16_ids, bf16_text, bf16_speed = generate_greedy(
-            network, tokenizer, prompt, max_new_tokens
-        )
+        settings = _generation_settings(tokenizer, prompt)
 
-        fp8linear.quantize_model(network, "fp8")
-        report = fp8linear.memory_report(network)
+        def time_prefill(models: dict) -> dict[str, list[float]]:
+            return side_by_side(models, lambda m: prefill(m, long_prompt), rounds) if prompt_tokens else {}
+
+        def time_decode(models: dict) -> dict[str, list[float]]:
+            return side_by_side(models, lambda m: _generate(m, settings, max_new_tokens), decode_rounds,
+                                warm_up=lambda m: _generate(m, settings, min(4, max_new_tokens)))
+
+        bf16_ids, bf16_text = generate_greedy(network, tokenizer, prompt, max_new_tokens)
+        alternating = room_for_a_copy(network)
+        if alternating:
+            fp8_network = fp8linear.quantize_model(copy.deepcopy(network), "fp8")
+            timed = {"bf16": network, "fp8": fp8_network}
+            prefill_seconds, decode_seconds = {}, {}
+        else:
+            prefill_seconds, decode_seconds = time_prefill({"bf16": network}), time_decode({"bf16": network})
+            fp8_network = fp8linear.quantize_model(network, "fp8")
+            timed = {"fp8": fp8_network}
+        report = fp8linear.memory_report(fp8_network)
         print(f"After FP8 conversion:\n{report}")
-
-        fp8_prefill = time_to_first_token(network, long_prompt) if prompt_tokens else None
-        fp8_ids, fp8_text, fp8_speed = generate_greedy(network, tokenizer, prompt, max_new_tokens)
+        fp8_ids, fp8_text = generate_greedy(fp8_network, tokenizer, prompt, max_new_tokens)
+        prefill_seconds.update(time_prefill(timed))
+        decode_seconds.update(time_decode(timed))
     finally:
         torch.set_num_threads(previous_threads)
 
+    def ratio(numerators: list[float], denominators: list[float]) -> float:
+        if alternating:
+            return median_ratio(numerators, denominators)
+        return statistics.median(numerators) / statistics.median(denominators)
+
+    tokens = {"bf16": len(bf16_ids), "fp8": len(fp8_ids)}
+    speeds = {name: [tokens[name] / t for t in times] for name, times in decode_seconds.items()}
+    bf16_speed, fp8_speed = statistics.median(speeds["bf16"]), statistics.median(speeds["fp8"])
+    speed_ratio = ratio(speeds["fp8"], speeds["bf16"])
+    bf16_prefill = statistics.median(prefill_seconds["bf16"]) if prompt_tokens else None
+    fp8_prefill = statistics.median(prefill_seconds["fp8"]) if prompt_tokens else None
     identical_percent, first_divergence = _token_agreement(bf16_ids, fp8_ids)
-    speed_ratio = fp8_speed / bf16_speed
     print(f"\nbfloat16: {prompt}{bf16_text}")
     print(f"FP8:      {prompt}{fp8_text}")
     divergence = "none" if first_divergence is None else f"token {first_divergence}"
     print(f"Identical tokens: {identical_percent:.1f}% (first divergence: {divergence})")
     print(f"FP8 compute path: {fp8linear.backend()} ({cpu_kernel_variant()} kernels)")
+    if alternating:
+        counts = (f"{rounds} rounds (prompt) and {decode_rounds} (decode)" if prompt_tokens
+                  else f"{decode_rounds} rounds")
+        print(f"Speed: bf16 and FP8 taking turns, {counts}; medians, and ratios of the same rounds")
+    else:
+        print("Speed: bf16 timed before the conversion and FP8 after it (too little free memory to keep both): "
+              "the host's drift between the two moves these ratios")
     if prompt_tokens:
         print(f"Prompt of {prompt_tokens} tokens, time to first token: bfloat16 {bf16_prefill * 1e3:.0f} ms, "
-              f"FP8 {fp8_prefill * 1e3:.0f} ms (FP8 takes {fp8_prefill / bf16_prefill:.2f}x the time)")
+              f"FP8 {fp8_prefill * 1e3:.0f} ms (FP8 takes {ratio(prefill_seconds['fp8'], prefill_seconds['bf16']):.2f}x "
+              "the time)")
     print(f"Tokens/s: bfloat16 {bf16_speed:.1f}, FP8 {fp8_speed:.1f} (ratio {speed_ratio:.2f})")
     return {
         "model": description,
@@ -304,8 +367,10 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
         "identical_token_percent": identical_percent,
         "first_divergence": first_divergence,
         "prompt_tokens": prompt_tokens,
+        "timing": "alternating" if alternating else "sequential",
         "bf16_time_to_first_token": bf16_prefill,
         "fp8_time_to_first_token": fp8_prefill,
+        "prefill_time_ratio": ratio(prefill_seconds["fp8"], prefill_seconds["bf16"]) if prompt_tokens else None,
         "bf16_tokens_per_second": bf16_speed,
         "fp8_tokens_per_second": fp8_speed,
         "speed_ratio": speed_ratio,

