@@ -179,9 +179,9 @@ def _generate(model, settings: dict, max_new_tokens: int) -> torch.Tensor:
         return model.generate(**settings, max_new_tokens=max_new_tokens)
 
 
-def generate_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], str]:
-    """Greedily continue ``prompt``; return ``(new_token_ids, text)``."""
-    settings = _generation_settings(tokenizer, prompt)
+def generate_greedy(model, tokenizer, settings: dict, max_new_tokens: int) -> tuple[list[int], str]:
+    """Greedily continue the prompt of ``settings`` (``_generation_settings``); return
+    ``(new_token_ids, text)``."""
     output = _generate(model, settings, max_new_tokens)
     new_token_ids = output[0, settings["input_ids"].shape[1]:].tolist()
     return new_token_ids, tokenizer.decode(new_token_ids, skip_special_tokens=True)
@@ -307,7 +307,7 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
             return side_by_side(models, lambda m: _generate(m, settings, max_new_tokens), decode_rounds,
                                 warm_up=lambda m: _generate(m, settings, min(4, max_new_tokens)))
 
-        bf16_ids, bf16_text = generate_greedy(network, tokenizer, prompt, max_new_tokens)
+        bf16_ids, bf16_text = generate_greedy(network, tokenizer, settings, max_new_tokens)
         alternating = room_for_a_copy(network)
         if alternating:
             fp8_network = fp8linear.quantize_model(copy.deepcopy(network), "fp8")
@@ -319,7 +319,7 @@ def run_demo(model=None, prompt="Once upon a time,", max_new_tokens=48, threads=
             timed = {"fp8": fp8_network}
         report = fp8linear.memory_report(fp8_network)
         print(f"After FP8 conversion:\n{report}")
-        fp8_ids, fp8_text = generate_greedy(fp8_network, tokenizer, prompt, max_new_tokens)
+        fp8_ids, fp8_text = generate_greedy(fp8_network, tokenizer, settings, max_new_tokens)
         prefill_seconds.update(time_prefill(timed))
         decode_seconds.update(time_decode(timed))
     finally:
