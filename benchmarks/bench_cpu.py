@@ -121,7 +121,7 @@ def layer_copies(n: int, k: int, rows: int, element_bytes: int, smoke: bool) -> 
 
 # Never skipped, however slow: what the table is about (bf16 nn.Linear on an AVX2-only
 # CPU takes ~13 s for one M = 2048 call of 14336 x 4096).
-ALWAYS_TIMED = ("bf16", "fp8linear", "per-channel", "block")
+ALWAYS_TIMED = ("bf16", "fp8linear", "per-channel", "block", "block ue8m0")
 
 
 def first_call_seconds(key, fn, item, rows, history, notes, layer=""):
@@ -162,6 +162,9 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
         channel_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["per-channel"])
                           for _ in range(copies8)]
         block_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["block"]) for _ in range(copies8)]
+        # and with power-of-two scales (scale_fmt "ue8m0", DeepSeek-V3.1): the AMX kernels fold them
+        ue8m0_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["block"], scale_fmt="ue8m0")
+                        for _ in range(copies8)]
         bf16_weights = [source.weight.detach().bfloat16().clone() for _ in range(layer_copies(n, k, rows, 2, smoke))]
         fp32_weights = [source.weight.detach().clone() for _ in range(layer_copies(n, k, rows, 4, smoke))]
         x32 = x.float()
@@ -178,6 +181,7 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
             "fp8linear": (lambda layer: layer(x_own), fp8_layers),
             "per-channel": (lambda layer: layer(x_own), channel_layers),
             "block": (lambda layer: layer(x_own), block_layers),
+            "block ue8m0": (lambda layer: layer(x_own), ue8m0_layers),
             # torch's CPU fp8 GEMM is slow enough that one layer per pass is plenty
             "_scaled_mm": (lambda layer: torch._scaled_mm(qx, layer.weight.t(), sx, layer.weight_scale,
                                                           out_dtype=torch.bfloat16), fp8_layers[:1]),
@@ -229,9 +233,10 @@ def format_row(entry):
              f"{2 * rows * n * k / fp8 / 1e12:.3f}"]
     probe = t.get("read probe")
     cells.append(f"{100 * probe / fp8:.0f}% of {n * k / probe / 1e9:.1f}" if probe else "")
-    channel, block = t.get("per-channel"), t.get("block")
+    channel, block, ue8m0 = t.get("per-channel"), t.get("block"), t.get("block ue8m0")
     cells += [f"{channel * 1e3:.3f}" if channel else "n/a", f"{block * 1e3:.3f}" if block else "n/a",
-              f"{block / channel:.2f}" if channel and block else "n/a"]
+              f"{block / channel:.2f}" if channel and block else "n/a",
+              f"{ue8m0 / channel:.2f}" if channel and ue8m0 else "n/a"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -255,7 +260,8 @@ def bench_quantize(elements: int, repeats: int):
 def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed):
     args.output_dir.mkdir(parents=True, exist_ok=True)
     header = ("| layer (N x K) | M | fp8linear ms | bf16 ms | vs bf16 | vs fp32 | vs _scaled_mm | vs torchao "
-              "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) | per-channel ms | block ms | block / per-channel |")
+              "| fp8 weight GB/s | TFLOP/s | % of read probe (GB/s) | per-channel ms | block ms | block / per-channel "
+              "| block ue8m0 / per-channel |")
     lines = [
         "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
         "",
@@ -280,10 +286,12 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         "inference-mode copy of it, whose quantization layers never reuse; in a model q, k and v share one); "
         "`_scaled_mm` is "
         "given pre-quantized input. GB/s counts fp8 weight bytes only. \"fp8linear\" is the default scheme "
-        "(per-tensor); the last three columns time the per-channel scheme (per-channel weights, per-token "
+        "(per-tensor); the last four columns time the per-channel scheme (per-channel weights, per-token "
         "activations) and the block scheme (128 x 128 weight blocks, activations per token and group of 128, "
         "as DeepSeek-V3 / Qwen3 FP8 checkpoints) in the same repetitions: \"block / per-channel\" > 1 means "
-        "block-wise is slower.",
+        "block-wise is slower; \"block ue8m0\" is the block scheme with its weight and activation scales "
+        "rounded up to powers of two (scale_fmt \"ue8m0\", as DeepSeek-V3.1 checkpoints), which the AMX "
+        "kernels fold into the operands from M = 65.",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),

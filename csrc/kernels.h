@@ -51,6 +51,15 @@ typedef struct {
   int scale_a_blocked, scale_b_blocked;
   int64_t scale_a_row_stride;
   int64_t scale_b_k_stride, scale_b_n_stride;
+  /* Block scales folded into the operands (fp8_cpu_scaled_mm_fold: the CPU AMX kernels
+   * for M > 64 only; NULL everywhere else): the widened bf16 values of a's row m in block
+   * kb of 128 k are multiplied by 2^fold_a[m * fold_k_blocks + kb], b's weight row n by
+   * 2^fold_b[(n / 128) * fold_k_blocks + kb] (exponent offsets in [-FP8_FOLD_MAX_SHIFT, 0],
+   * exact in bf16), and the call is no longer K-blocked: the per-row / per-column scales
+   * left are the blocks' common factors. */
+  const int8_t* fold_a;
+  const int8_t* fold_b;
+  int64_t fold_k_blocks;
   const void* bias;                       /* [N] or NULL, contiguous */
   fp8_float_dtype bias_dtype;
   void* out;                              /* [M, N], row stride out_row_stride, unit column stride */
@@ -134,6 +143,7 @@ typedef struct {
   int64_t workspace_bytes;   /* shared by the threads, 64-byte aligned */
   int64_t scratch_bytes;     /* per thread, 64-byte aligned */
   int64_t tile_m, tile_n;    /* a good work unit for one thread */
+  int64_t fold_offset;       /* where in the workspace fp8_cpu_scaled_mm_fold may put its tables; -1: no fold */
 } fp8_cpu_mm_plan;
 
 fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p);
@@ -141,6 +151,22 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
                                void* scratch, int64_t m_begin, int64_t m_end);
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                        void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
+/* Block-wise calls (fp8_k_blocked) whose scales differ along K by powers of two only:
+ * per row of a, every scale_a(m, kb) is c_m * 2^e(m, kb) with one c_m, and per block of
+ * 128 weight rows every scale_b(kb, n) is c_n * 2^e(kb, n) (all of them when scale_fmt is
+ * "ue8m0": powers of two), within 2^FP8_FOLD_MAX_SHIFT of the row's largest. Then the
+ * powers of two go into the widened bf16 operands (exact: e4m3 and e5m2 values times 2^-32
+ * or more stay normal in bf16, and their products in float32), each output is one float32
+ * sum over all of K, and c_m * c_n scales it once at the end, as a per-token, per-channel
+ * call: the AMX kernels then keep their C tiles over all of K instead of storing and
+ * adding them, scaled, every 128 k. Products exact, float32 sums in another order: the
+ * same contract. If the plan allows it (fold_offset >= 0) and the scales qualify, writes
+ * the folded call's scales and exponent tables into workspace + plan->fold_offset, sets
+ * *folded and returns 1; else returns 0 and the call runs K-blocked. Before prepare. */
+enum { FP8_FOLD_MAX_SHIFT = 32 };
+int fp8_cpu_scaled_mm_fold(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
+                           fp8_scaled_mm_params* folded);
 
 /* Reads bytes [0, bytes) of data once (XOR checksum): the benchmarks' memory probe. */
 uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);

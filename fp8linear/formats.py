@@ -246,9 +246,15 @@ def _parse_vllm_fp8(quantization: dict, source: str) -> CheckpointScheme:
         if list(block) != [BLOCK, BLOCK]:
             raise ValueError(f"{source}: weight_block_size {block}: FP8Linear's block-wise kernels use "
                              f"[{BLOCK}, {BLOCK}]")
-        # activations are quantized per token and group of 128 (dynamic), as DeepSeek's kernels do
-        config = (FP8Config(weight_granularity="block", activation_granularity="group") if scheme == "dynamic"
-                  else FP8Config(weight_granularity="block", activations="static"))
+        # activations are quantized per token and group of 128 (dynamic), as DeepSeek's kernels do;
+        # "scale_fmt": "ue8m0" (DeepSeek-V3.1 and later): with scales rounded up to powers of two,
+        # as DeepSeek's inference code quantizes them for such checkpoints (the stored weight
+        # scales are kept as they are, powers of two or not)
+        scale_fmt = quantization.get("scale_fmt")
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(f"{source}: scale_fmt {scale_fmt!r}: fp8linear knows 'ue8m0' (or none)")
+        config = (FP8Config(weight_granularity="block", activation_granularity="group", scale_fmt=scale_fmt)
+                  if scheme == "dynamic" else FP8Config(weight_granularity="block", activations="static", scale_fmt=scale_fmt))
     else:
         config = FP8Config(activations=scheme)  # per-tensor weights and activations, as that format defines
     ignored = [*(quantization.get("ignored_layers") or []), *(quantization.get("modules_to_not_convert") or [])]

@@ -44,12 +44,20 @@ class FP8Config:
     activation_granularity: dynamic scale per tensor, per token (row), or per token
         and group of 128 input features (``"group"``, as block-wise checkpoints expect).
     fp8_dtype: the fp8 format of weights and activations.
+    scale_fmt: ``"ue8m0"`` (block weights only): the dynamic group scales of the
+        activations, and the block scales of weights this config quantizes, are rounded up
+        to powers of two, as DeepSeek's inference code does for checkpoints whose config
+        says ``"scale_fmt": "ue8m0"`` (DeepSeek-V3.1 and later). With power-of-two scales on
+        both sides the AMX kernels fold the scales into the operands and run block-wise
+        layers as fast as per-channel ones; the activations keep up to one bit less
+        precision. None (default): scales are any float32.
     """
 
     weight_granularity: str = "tensor"
     activations: str = "dynamic"
     activation_granularity: str = "tensor"
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    scale_fmt: str | None = None
 
     def __post_init__(self):
         def check(name, value, allowed):
@@ -63,11 +71,17 @@ class FP8Config:
         if self.activations == "static" and self.activation_granularity != "tensor":
             raise ValueError("static activations use one calibrated scale per tensor: "
                              "activation_granularity must be 'tensor'")
+        check("scale_fmt", self.scale_fmt, ops.SCALE_FORMATS)
+        if self.scale_fmt is not None and self.weight_granularity != "block":
+            raise ValueError(f"scale_fmt {self.scale_fmt!r} is for block-wise weights (weight_granularity 'block'), "
+                             f"got weight_granularity {self.weight_granularity!r}")
 
     def describe(self) -> str:
         dtype = str(self.fp8_dtype).replace("torch.float8_", "")
         weight_unit = "block 128x128" if self.weight_granularity == "block" else self.weight_granularity
         weights = f"weights {dtype} per-{weight_unit}"
+        if self.scale_fmt is not None:
+            weights += f" ({self.scale_fmt} scales)"
         if self.activations == "none":
             return weights + ", activations not quantized (weight-only)"
         unit = "group of 128" if self.activation_granularity == "group" else self.activation_granularity
@@ -160,30 +174,43 @@ def _keep_quantization(source: torch.Tensor, state: tuple, key: tuple, quantized
     holder.entry = (weakref.ref(source, forget), state, key, quantized)
 
 
+def _activation_scale_fmt(config: FP8Config) -> str | None:
+    """The scale_fmt of the activations' dynamic quantization: the config's for groups."""
+    return config.scale_fmt if config.activation_granularity == "group" else None
+
+
+def _linear_granularity(config: FP8Config) -> str:
+    """The LINEAR_GRANULARITIES key of a config's dynamic activations (also the granularity
+    in _LastQuantizedInput's keys: "group-ue8m0" is not "group")."""
+    scale_fmt = _activation_scale_fmt(config)
+    return config.activation_granularity + (f"-{scale_fmt}" if scale_fmt else "")
+
+
 def _quantize_dynamic(x2d: torch.Tensor, source: torch.Tensor | None, config: FP8Config):
     """ops.quantize_fp8 of x2d with dynamic scales; ``source`` (the layer's input, of
     which x2d is the 2-D view) allows the reuse described in _LastQuantizedInput."""
     granularity = _ACTIVATION_OP_GRANULARITY[config.activation_granularity]
-    key = (config.fp8_dtype, granularity)
+    scale_fmt = _activation_scale_fmt(config)
+    key = (config.fp8_dtype, _linear_granularity(config))
     reusable = (source is not None and not torch.compiler.is_compiling() and source.is_cpu
                 and not source.is_inference())
     if not reusable:
-        return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+        return ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity, scale_fmt=scale_fmt)
     state, quantized = _kept_quantization(source, key)
     if quantized is None:
-        quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity)
+        quantized = ops.quantize_fp8(x2d, dtype=config.fp8_dtype, granularity=granularity, scale_fmt=scale_fmt)
         _keep_quantization(source, state, key, quantized)
     return quantized
 
 
 def _fast_dynamic_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, granularity: int, op_granularity: str) -> torch.Tensor | None:
+                         bias: torch.Tensor | None, granularity: int, reuse_granularity: str) -> torch.Tensor | None:
     """The fast path of a layer with dynamic activations on a CPU input of more than
     _FUSED_MAX_ROWS rows: ops.dynamic_linear_if_plain with the reuse of _LastQuantizedInput
     (the same entries as the full path's _quantize_dynamic); None where the full path runs.
     The native call quantizes to the weight's fp8 dtype, hence the key's (the config's,
     which the config setter keeps equal to it)."""
-    key = (weight.dtype, op_granularity)
+    key = (weight.dtype, reuse_granularity)
     if x.is_inference():  # no version counter: never reused
         state, quantized = None, None
     else:
@@ -323,7 +350,8 @@ class FP8Linear(nn.Module):
         if weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not materialized): load the weights first")
         config = _resolve_config(config, options)
-        q, scale = ops.quantize_fp8(weight, dtype=config.fp8_dtype, granularity=_WEIGHT_OP_GRANULARITY[config.weight_granularity])
+        q, scale = ops.quantize_fp8(weight, dtype=config.fp8_dtype, granularity=_WEIGHT_OP_GRANULARITY[config.weight_granularity],
+                                    scale_fmt=config.scale_fmt)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         return cls.from_fp8(q, scale, bias=bias, config=config)
 
@@ -421,10 +449,9 @@ class FP8Linear(nn.Module):
         """What forward's fast path reads: fp8linear::linear's codes for this layer and,
         through the flag, _fast_scale."""
         config = self.config
-        self._linear_codes = (_LINEAR_ACTIVATIONS[config.activations], _LINEAR_GRANULARITIES[config.activation_granularity])
+        self._linear_codes = (_LINEAR_ACTIVATIONS[config.activations], _LINEAR_GRANULARITIES[_linear_granularity(config)])
         # the granularity of _LastQuantizedInput's key for dynamic activations, None for the others
-        self._reuse_granularity = (_ACTIVATION_OP_GRANULARITY[config.activation_granularity]
-                                   if config.activations == "dynamic" else None)
+        self._reuse_granularity = _linear_granularity(config) if config.activations == "dynamic" else None
         self._input_scale_ready = ready
 
     @property

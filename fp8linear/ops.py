@@ -16,6 +16,8 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "FP8_DTYPES", "fp8_max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRANULARITIES = ("tensor", "row", "group", "block")
+#: quantize_fp8's scale_fmt: None (any float32 scale) or "ue8m0" (dynamic scales rounded up to powers of two).
+SCALE_FORMATS = (None, "ue8m0")
 #: The block of scaled_mm's block-wise scales (DeepSeek-V3 / Qwen3 FP8 checkpoints): 128 x 128
 #: weight blocks, activation groups of 128 along K.
 SCALE_BLOCK = 128
@@ -50,6 +52,7 @@ def quantize_fp8(
     granularity: str = "tensor",
     group_size: int = SCALE_BLOCK,
     block_size: tuple[int, int] = (SCALE_BLOCK, SCALE_BLOCK),
+    scale_fmt: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (float32/bfloat16/float16, any shape and strides) to fp8.
 
@@ -62,7 +65,11 @@ def quantize_fp8(
     ``x.shape[:-1] + (ceil(K / group_size),)``), or of each ``block_size`` block of a 2-D
     ``x`` (``"block"``, weights: scale shape ``[ceil(N / 128), ceil(K / 128)]`` for the
     default 128 x 128); partial blocks at the edges have their own scale, and a block of
-    zeros gets the floor. A given ``scale`` (float32, that shape) is used as
+    zeros gets the floor. ``scale_fmt="ue8m0"`` (granularities "group" and "block") rounds
+    each dynamic scale up to a power of two, ``2 ** ceil(log2(scale))`` of the float32 scale,
+    as DeepSeek's inference code quantizes for checkpoints whose config says so: a power of
+    two apart from block to block, block-wise products then run as fast as per-channel ones
+    on the AMX kernels. A given ``scale`` (float32, that shape) is used as
     is; it must be finite and > 0 (checked for CPU tensors; a CUDA scale is not read,
     which would cost a device sync per call: there a 0, negative or non-finite scale
     gives saturated or NaN values). Each element is ``rne(clamp(x / scale, -FMAX, FMAX))``:
@@ -73,18 +80,23 @@ def quantize_fp8(
         _check_types("quantize_fp8", {"x": x}, {"scale": scale}, {"dtype": dtype})
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
+    power_of_two = scale_fmt == "ue8m0"
+    if power_of_two and granularity not in ("group", "block"):
+        raise ValueError(f"scale_fmt 'ue8m0' applies to granularity 'group' and 'block', got {granularity!r}")
     native()
     if granularity == "group":
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, 1, group_size)
+        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, 1, group_size, power_of_two)
     if granularity == "block":
         if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in block_size)):
             raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
         if block_size[0] == 1:
             raise ValueError("block_size (1, g) is a group: use granularity='group', group_size=g")
-        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, block_size[0], block_size[1])
+        return torch.ops.fp8linear.quantize_fp8_blocks(x, scale, dtype, block_size[0], block_size[1], power_of_two)
     return torch.ops.fp8linear.quantize_fp8(x, scale, dtype, granularity == "row")
 
 
@@ -131,9 +143,10 @@ def scaled_mm(
 
 
 #: fp8linear::linear's codes for how the input is quantized (FP8Config.activations) and
-#: at which granularity when dynamic (FP8Config.activation_granularity).
+#: at which granularity when dynamic (FP8Config.activation_granularity; "group-ue8m0": per
+#: group with power-of-two scales, FP8Config.scale_fmt "ue8m0").
 LINEAR_ACTIVATIONS = {"none": 0, "static": 1, "dynamic": 2}
-LINEAR_GRANULARITIES = {"tensor": 0, "token": 1, "group": 2}
+LINEAR_GRANULARITIES = {"tensor": 0, "token": 1, "group": 2, "group-ue8m0": 3}
 _linear_op = None
 
 
@@ -215,7 +228,7 @@ def _register_fakes() -> None:
         return q, out_scale
 
     @torch.library.register_fake("fp8linear::quantize_fp8_blocks")
-    def _quantize_fp8_blocks_fake(x, scale, dtype, block_rows, block_cols):
+    def _quantize_fp8_blocks_fake(x, scale, dtype, block_rows, block_cols, power_of_two=False):
         _check(x.dtype in FLOAT_DTYPES, f"x must be torch.float32, torch.bfloat16 or torch.float16, got {x.dtype}")
         _check(dtype in FP8_DTYPES, f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
         _check(block_rows >= 1 and block_cols >= 1, f"block sizes must be >= 1, got {block_rows} x {block_cols}")

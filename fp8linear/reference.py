@@ -71,6 +71,13 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.double() / fmax).clamp(min=1.0 / (fmax * 512.0)).float()
 
 
+def power_of_two_ceil(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each (positive, normal) float32 scale: scale_fmt "ue8m0".
+    By frexp, exactly (log2 of a float just above a power of two can round to an integer)."""
+    mantissa, exponent = torch.frexp(scale.float())  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(mantissa), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
 def quantize_fp8(
     x: torch.Tensor,
     scale: torch.Tensor | None = None,
@@ -79,10 +86,13 @@ def quantize_fp8(
     granularity: str = "tensor",
     group_size: int = SCALE_BLOCK,
     block_size: tuple[int, int] = (SCALE_BLOCK, SCALE_BLOCK),
+    scale_fmt: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ops.quantize_fp8: true division, clamp, one rounding."""
     if scale is None:
         scale = dynamic_scale(x, dtype, granularity, group_size=group_size, block_size=block_size)
+        if scale_fmt == "ue8m0":
+            scale = power_of_two_ceil(scale)
     fmax = _fmax(dtype)
     divisor = scale
     if granularity in ("group", "block"):

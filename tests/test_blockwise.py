@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp8linear
-from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, relative_error
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, forced_cpu_variant, relative_error
 from fp8linear import reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -50,6 +50,45 @@ def test_block_quantization_is_bit_exact(shape, block_size, fp8_dtype, cpu_varia
     assert scale.shape == tuple(-(-s // b) for s, b in zip(shape, block_size))
     assert torch.equal(scale, expected_scale)
     assert_same_fp8(q, expected_q)
+
+
+@pytest.mark.parametrize("granularity, shape", [("group", (5, 300)), ("group", (2, 3, 257)), ("group", (0, 9)),
+                                                ("block", (300, 260)), ("block", (129, 1)), ("block", (0, 5))])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_ue8m0_scales_are_the_next_power_of_two(granularity, shape, dtype, fp8_dtype, cpu_variant):
+    x = values(shape, dtype) if 0 not in shape else torch.zeros(shape, dtype=dtype)
+    if x.numel():
+        x.view(-1)[::37] = 0  # some all-zero groups get the floor, rounded up too
+        x.view(-1)[5] = float("nan")
+    q, scale = fp8linear.quantize_fp8(x, dtype=fp8_dtype, granularity=granularity, scale_fmt="ue8m0")
+    expected_q, expected_scale = reference.quantize_fp8(x, dtype=fp8_dtype, granularity=granularity,
+                                                        scale_fmt="ue8m0")
+    assert torch.equal(scale, expected_scale)
+    assert_same_fp8(q, expected_q)
+    _, plain = fp8linear.quantize_fp8(x, dtype=fp8_dtype, granularity=granularity)
+    mantissa, _ = torch.frexp(scale)
+    assert (mantissa == 0.5).all()  # powers of two
+    assert (scale >= plain).all() and (scale < 2 * plain).all()  # the next one up (or the scale itself)
+
+
+def test_ue8m0_of_scales_that_are_powers_of_two_already():
+    x = torch.zeros(2, 256)
+    x[0, 0], x[1, 200] = 448.0 * 2.0**-3, 448.0 * 2.0**-3 * (1 + 2.0**-23)  # amax / 448 = 2^-3 and just above
+    _, scale = fp8linear.quantize_fp8(x, granularity="group", scale_fmt="ue8m0")
+    floor = reference.power_of_two_ceil(reference.scale_from_amax(torch.zeros(()), torch.float8_e4m3fn)).item()
+    assert scale.tolist() == [[2.0**-3, floor], [floor, 2.0**-2]]
+
+
+def test_scale_fmt_errors():
+    with pytest.raises(ValueError, match="scale_fmt must be one of"):
+        fp8linear.quantize_fp8(torch.randn(4, 8), granularity="group", scale_fmt="e8m0")
+    for granularity in ("tensor", "row"):
+        with pytest.raises(ValueError, match="applies to granularity 'group' and 'block'"):
+            fp8linear.quantize_fp8(torch.randn(4, 8), granularity=granularity, scale_fmt="ue8m0")
+    given = torch.full((4, 1), 0.3)  # a given scale is used as it is
+    q, scale = fp8linear.quantize_fp8(torch.randn(4, 8), given, granularity="group", scale_fmt="ue8m0")
+    assert torch.equal(scale, given)
 
 
 def test_a_block_of_zeros_or_non_finite_values_gets_the_floor_scale():
@@ -205,6 +244,127 @@ def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind,
     assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_b)) <= 1e-5
 
 
+# ---------------------------------------------------------------------------------------
+# block scales a power of two apart along K, folded into the operands (AMX kernels, M > 64)
+
+
+def power_of_two(scale, significand=1.0):
+    """Each scale rounded up to a power of two ("ue8m0"), times one common significand."""
+    return torch.exp2(torch.ceil(torch.log2(scale))) * significand
+
+
+def folding_operands(m, k, n, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, significand=1.0):
+    x, weight = values((m, k)) * 1e-3, torch.randn(n, k) * torch.logspace(-2, 2, k)  # outputs within float16
+    _, scale_a = fp8linear.quantize_fp8(x, dtype=a_dtype, granularity="group")
+    _, scale_w = fp8linear.quantize_fp8(weight, dtype=b_dtype, granularity="block")
+    scale_a = power_of_two(scale_a, significand)
+    scale_w = power_of_two(scale_w, 1.25 * significand)
+    a, _ = fp8linear.quantize_fp8(x, scale_a, dtype=a_dtype, granularity="group")
+    w, _ = fp8linear.quantize_fp8(weight, scale_w, dtype=b_dtype, granularity="block")
+    return a, w, scale_a, scale_w
+
+
+def plan(a, b, scale_a, scale_b):
+    return fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)
+
+
+AMX_VARIANTS = {"amx", "amx_emulated"}
+
+
+# the full-K kernel (K <= 2048) and the panel kernel, partial blocks of k and of weight rows
+@pytest.mark.parametrize("m, k, n", [(65, 300, 200), (100, 129, 128), (300, 2000, 130), (100, 2200, 70),
+                                     (600, 700, 300)])
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_power_of_two_block_scales_fold_on_amx(m, k, n, out_dtype, cpu_variant):
+    a, w, scale_a, scale_w = folding_operands(m, k, n)
+    assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", True) or cpu_variant not in AMX_VARIANTS
+    bias = torch.randn(n)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=out_dtype)
+    exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t(), bias=bias)
+    assert relative_error(out, exact) <= TOLERANCE[out_dtype]
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
+@pytest.mark.parametrize("significand", [1.0, 1.37])
+def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtype, significand, cpu_variant):
+    a, w, scale_a, scale_w = folding_operands(100, 300, 140, a_dtype, b_dtype, significand)
+    assert plan(a, w.t(), scale_a, scale_w.t())[1] == (cpu_variant in AMX_VARIANTS)
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+
+
+def test_folded_scales_spanning_2_to_the_32():
+    # within a row, scales 2^-32 apart still fold and stay exact (normal bf16 and float32
+    # values, e5m2 included); 2^-33 apart they are summed block by block instead
+    for variant in AMX_VARIANTS & set(fp8linear.ops.native().cpu_variants_supported()):
+        with forced_cpu_variant(variant):
+            for shift, folds in ((32, True), (33, False)):
+                for dtype in FP8_DTYPES:
+                    a, w, scale_a, scale_w = folding_operands(80, 384, 256, dtype, dtype)
+                    scale_a, scale_w = scale_a.clone(), scale_w.clone()
+                    scale_a[:, 1] = scale_a.amax(dim=1) * 2.0**-shift  # the row's smallest, `shift` below its largest
+                    scale_w[1, 2] = scale_w[1].amin() * 2.0**shift  # this block row's largest
+                    assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", folds)
+                    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+                    exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
+                    assert relative_error(out, exact) <= 1e-5
+                    # the small block alone (the others' values zero, their scales kept): its
+                    # sums are not lost beside the large ones
+                    only = a.clone()
+                    only.view(torch.uint8)[:, :128] = 0
+                    only.view(torch.uint8)[:, 256:] = 0
+                    out = fp8linear.scaled_mm(only, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+                    exact = reference.scaled_mm_float64(only, w.t(), scale_a, scale_w.t())
+                    assert exact.abs().max() > 0 and relative_error(out, exact) <= 1e-5
+
+
+def test_scales_that_do_not_fold():
+    a, w, scale_a, scale_w = folding_operands(100, 300, 140)
+    mixed_a, mixed_w = scale_a.clone(), scale_w.clone()
+    mixed_a[7, 2] *= 1.5  # one row's significands differ
+    mixed_w[1, 0] *= 0.75  # one block row's do
+    for variant in AMX_VARIANTS & set(fp8linear.ops.native().cpu_variants_supported()):
+        with forced_cpu_variant(variant):
+            assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", True)
+            assert plan(a, w.t(), mixed_a, scale_w.t()) == ("amx", False)
+            assert plan(a, w.t(), scale_a, mixed_w.t()) == ("amx", False)
+            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == ("amx", False)  # the stream kernel's M
+            for sa, sw in ((mixed_a, scale_w), (scale_a, mixed_w)):
+                out = fp8linear.scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.float32)
+                assert relative_error(out, reference.scaled_mm_float64(a, w.t(), sa, sw.t())) <= 1e-5
+
+
+def test_one_folded_scale_beside_a_per_token_or_per_channel_one(cpu_variant):
+    a, w, scale_a, scale_w = folding_operands(100, 300, 140)
+    weight_rows = torch.rand(1, 140) + 0.5
+    tokens = torch.rand(100, 1) + 0.5
+    x = values((100, 300), torch.bfloat16)
+    one = torch.ones(())
+    for args in ((a, w.t(), scale_a, weight_rows), (a, w.t(), tokens, scale_w.t()), (x, w.t(), one, scale_w.t())):
+        assert plan(*args)[1] == (cpu_variant in AMX_VARIANTS)
+        out = fp8linear.scaled_mm(*args, out_dtype=torch.float32)
+        assert relative_error(out, reference.scaled_mm_float64(*args)) <= 1e-5
+
+
+def test_folded_scales_keep_nan_inf_and_zeros():
+    a, w, scale_a, scale_w = folding_operands(100, 300, 140, b_dtype=torch.float8_e5m2)
+    a, w = a.clone(), w.clone()
+    a.view(torch.uint8)[3, 200] = 0x7F  # e4m3 NaN: row 3 is NaN everywhere
+    w.view(torch.uint8)[5, 10] = 0x7C  # e5m2 +inf: column 5 is +-inf or NaN
+    a.view(torch.uint8)[10] = 0  # a row of zeros
+    for variant in fp8linear.ops.native().cpu_variants_supported():
+        with forced_cpu_variant(variant):
+            out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+            exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
+            assert torch.isnan(out[3]).all()
+            assert torch.equal(torch.isinf(out[:, 5]), torch.isinf(exact[:, 5]))
+            assert torch.equal(torch.isnan(out[:, 5]), torch.isnan(exact[:, 5]))
+            assert torch.equal(out[10].nan_to_num(7.0), exact[10].float().nan_to_num(7.0))  # zeros (0 * inf: NaN)
+            keep = torch.ones(100, dtype=torch.bool)
+            keep[3] = False
+            assert relative_error(out[keep][:, 6:], exact[keep][:, 6:]) <= 1e-5
+
+
 def test_transposed_and_contiguous_block_scales_agree():
     a, w, scale_a, scale_w = blockwise_operands(4, 400, 300)
     view = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
@@ -271,7 +431,9 @@ def test_meta_and_compile_see_the_block_shapes():
 
 BLOCK_CONFIGS = [dict(weight_granularity="block", activation_granularity="group"),
                  dict(weight_granularity="block", activations="none"),
-                 dict(weight_granularity="block", activation_granularity="token")]
+                 dict(weight_granularity="block", activation_granularity="token"),
+                 dict(weight_granularity="block", activation_granularity="group", scale_fmt="ue8m0"),
+                 dict(weight_granularity="block", activations="none", scale_fmt="ue8m0")]
 
 
 def dequantized_block_weight(layer):
@@ -298,11 +460,42 @@ def test_block_layer_matches_its_dequantized_weights(options, shape, dtype):
         a, scale_a = x2d, torch.ones(())
     else:
         granularity = {"group": "group", "token": "row"}[options["activation_granularity"]]
-        a, scale_a = reference.quantize_fp8(x2d, granularity=granularity)
+        a, scale_a = reference.quantize_fp8(x2d, granularity=granularity, scale_fmt=options.get("scale_fmt"))
+    if options.get("scale_fmt"):  # power-of-two weight scales
+        assert torch.equal(reference.power_of_two_ceil(layer.weight_scale), layer.weight_scale)
     exact = reference.scaled_mm_float64(a, layer.weight.t(), scale_a, layer.weight_scale.t(), bias=layer.bias)
     assert relative_error(out.reshape(-1, out_features), exact) <= TOLERANCE[dtype]
     # and close to the original layer
     assert relative_error(out.float(), linear(x).double()) <= 0.08
+
+
+def test_ue8m0_layers_fold_on_amx_and_take_every_path():
+    # FP8Linear with scale_fmt "ue8m0": both the native fast path (fp8linear::linear's
+    # granularity 3 and the reuse of a shared input's quantization) and the full path give
+    # what the ops give; on the AMX variants the product folds its scales
+    config = fp8linear.FP8Config(weight_granularity="block", activation_granularity="group", scale_fmt="ue8m0")
+    assert "ue8m0" in config.describe()
+    layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 260), config=config)
+    twin = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 200), config=config)
+    for rows in (3, 100):
+        x = torch.randn(rows, 300)
+        a, scale_a = fp8linear.quantize_fp8(x, granularity="group", scale_fmt="ue8m0")
+        for variant in fp8linear.ops.native().cpu_variants_supported():
+            with forced_cpu_variant(variant):
+                expected = fp8linear.scaled_mm(a, layer.weight.t(), scale_a, layer.weight_scale.t(), bias=layer.bias,
+                                               out_dtype=torch.float32)
+                assert torch.equal(layer(x), expected)  # the fast path
+                assert torch.equal(twin(x)[:, :1], fp8linear.scaled_mm(  # its sibling reuses x's quantization
+                    a, twin.weight.t(), scale_a, twin.weight_scale.t(), bias=twin.bias, out_dtype=torch.float32)[:, :1])
+                with torch.enable_grad():
+                    full = layer(x.clone().requires_grad_())  # the full path (autograd)
+                assert torch.equal(full.detach(), expected)
+                folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())[1]
+                assert folded == (variant in AMX_VARIANTS and rows > 64)
+    with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for block-wise weights"):
+        fp8linear.FP8Config(weight_granularity="channel", scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match="scale_fmt must be one of"):
+        fp8linear.FP8Config(weight_granularity="block", scale_fmt="ue4m3")
 
 
 def test_block_layer_state_dict_and_from_fp8():

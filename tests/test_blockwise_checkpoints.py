@@ -86,9 +86,29 @@ def test_deepseek_qwen3_checkpoint_loads_with_its_bytes(scale_dtype, ignore_key,
 def test_power_of_two_scales_are_kept_as_stored(tmp_path):
     tensors = deepseek_checkpoint(tiny_llama(), tmp_path, power_of_two=True)
     loaded = fp8linear.load_quantized(tmp_path)
-    scale = loaded.model.layers[0].mlp.down_proj.weight_scale
+    layer = loaded.model.layers[0].mlp.down_proj
+    scale = layer.weight_scale
     assert torch.equal(scale, tensors["model.layers.0.mlp.down_proj.weight_scale_inv"])
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
+    # "ue8m0": the activations' group scales are rounded up to powers of two too, as
+    # DeepSeek's inference code does for these checkpoints
+    assert all(layer.config.scale_fmt == "ue8m0" for layer in fp8_layers(loaded).values())
+    x = torch.randn(3, layer.in_features)
+    a, scale_a = fp8linear.quantize_fp8(x, granularity="group", scale_fmt="ue8m0")
+    assert torch.equal(torch.exp2(torch.log2(scale_a).round()), scale_a)
+    expected = fp8linear.scaled_mm(a, layer.weight.t(), scale_a, scale.t(), out_dtype=torch.float32)
+    assert torch.equal(layer(x), expected)
+    ids = token_ids()
+    assert relative_error(logits(loaded, ids), logits(dequantized_model(tensors), ids)) < 0.05
+
+
+def test_an_unknown_scale_fmt_is_refused(tmp_path):
+    deepseek_checkpoint(tiny_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "e4m3"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scale_fmt 'e4m3'"):
+        fp8linear.load_quantized(tmp_path)
 
 
 def test_loading_a_block_checkpoint_never_makes_a_full_precision_weight(tmp_path):

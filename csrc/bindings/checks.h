@@ -5,6 +5,8 @@
 
 #include <torch/types.h>
 
+#include <cstring>
+
 #include "../kernels.h"
 
 namespace fp8linear {
@@ -61,6 +63,21 @@ inline float scale_from_amax(float amax, fp8_format format) {
   const double scale = static_cast<double>(amax) / fmax;
   const double floor = 1.0 / (fmax * 512.0);
   return static_cast<float>(scale > floor ? scale : floor);
+}
+
+// The smallest power of two >= scale (positive, finite; a normal float32 stays normal):
+// scale_fmt "ue8m0", as DeepSeek's reference inference rounds its activation scales.
+inline float power_of_two_ceil(float scale) {
+  uint32_t bits;
+  std::memcpy(&bits, &scale, sizeof bits);
+  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;
+  std::memcpy(&scale, &bits, sizeof bits);
+  return scale;
+}
+
+// The dynamic scale rule, then rounded up to a power of two.
+inline float power_of_two_scale_from_amax(float amax, fp8_format format) {
+  return power_of_two_ceil(scale_from_amax(amax, format));
 }
 
 // x seen as [rows, cols] over its last dimension (a 0-d tensor is [1, 1]).

@@ -19,12 +19,15 @@ TORCH_LIBRARY(fp8linear, m) {
   // One scale per block of block_rows x block_cols of x seen as [rows, cols] over its last
   // dimension: block_rows = 1 is groups of block_cols along the last dimension (scale
   // x.shape[:-1] + (ceil(cols / block_cols),)); block_rows > 1 needs a 2-D x (scale
-  // [ceil(rows / block_rows), ceil(cols / block_cols)]). Returns (q, scale).
-  m.def("quantize_fp8_blocks(Tensor x, Tensor? scale, ScalarType dtype, int block_rows, int block_cols) -> (Tensor, Tensor)");
+  // [ceil(rows / block_rows), ceil(cols / block_cols)]). power_of_two: dynamic scales rounded
+  // up to powers of two (scale_fmt "ue8m0"). Returns (q, scale).
+  m.def("quantize_fp8_blocks(Tensor x, Tensor? scale, ScalarType dtype, int block_rows, int block_cols, "
+        "bool power_of_two=False) -> (Tensor, Tensor)");
   // FP8Linear's forward as one op (ops_linear.cpp: the activation quantization, then
   // scaled_mm, composed of the ops above for every device). x [..., K] float, weight
   // [N, K] fp8, weight_scale () / [N, 1] / [ceil(N/128), ceil(K/128)], bias [N];
-  // activations 0 none / 1 static / 2 dynamic, granularity 0 tensor / 1 token / 2 group.
+  // activations 0 none / 1 static / 2 dynamic, granularity 0 tensor / 1 token / 2 group /
+  // 3 group with power-of-two scales (scale_fmt "ue8m0").
   m.def("linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? activation_scale, int activations, int granularity) -> Tensor");
 }
 
@@ -36,6 +39,9 @@ at::Tensor linear_from_python(const at::Tensor& x, const at::Tensor& weight, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_linear_from_python(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
     int64_t granularity, const std::optional<at::Tensor>& quantized, const std::optional<at::Tensor>& quantized_scale);
+// Defined in ops_cpu.cpp: the CPU kernel scaled_mm picks, and whether its block scales fold.
+std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                                 const at::Tensor& scale_b);
 }  // namespace fp8linear
 
 #ifdef FP8LINEAR_WITH_CUDA
@@ -185,6 +191,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dynamic_linear_if_plain", &dynamic_linear_if_plain,
              "FP8Linear's fast path for dynamic activations that sibling layers share: (out, q, scale) given "
              "the input's quantization (q, scale) or making it, or None where the full forward must run.");
+  module.def("cpu_scaled_mm_plan", &fp8linear::cpu_scaled_mm_plan,
+             "(kernel, folded): the CPU kernel scaled_mm runs for these operands (scalar, float_dot, bf16_dot, "
+             "bf16_tile, amx, avx2_panel) and whether their block scales fold into the operands (power-of-two "
+             "steps along K: the AMX kernels then sum over all of K in their tiles).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA
   fp8linear::register_cuda_python(module);

@@ -224,16 +224,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
 
 // One scale per block of block_rows x block_cols (block_rows = 1: groups along the last
 // dimension): a task per block, its amax (dynamic) and quantization back to back.
+// power_of_two: dynamic scales rounded up to powers of two.
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, const std::optional<at::Tensor>& scale,
-                                                           at::ScalarType dtype, int64_t block_rows, int64_t block_cols) {
+                                                           at::ScalarType dtype, int64_t block_rows, int64_t block_cols,
+                                                           bool power_of_two) {
   const std::vector<int64_t> scale_shape = check_quantize_blocks_args(x, scale, dtype, block_rows, block_cols);
   if (scale.has_value()) check_scale_values(*scale, "scale");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   advise_huge_pages(q);
+  float (*const rule)(float, fp8_format) = power_of_two ? power_of_two_scale_from_amax : scale_from_amax;
   at::Tensor scales = scale.has_value() ? scale->contiguous() : at::empty(scale_shape, x.options().dtype(at::kFloat));
   if (x.numel() == 0) {  // nothing to quantize: dynamic scales are the floor (amax 0)
-    if (!scale.has_value()) scales.fill_(scale_from_amax(0.0f, format));
+    if (!scale.has_value()) scales.fill_(rule(0.0f, format));
     return {q, scale.has_value() ? scale->clone() : scales};
   }
   const RowView view = row_view(x);
@@ -247,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, 
     // task (per group, the calls below cost ~25% of the time at groups of 128)
     const int64_t row_grain = quantize_row_grain(p);
     at::parallel_for(0, p.rows, row_grain, [&](int64_t begin, int64_t end) {
-      fp8_cpu_quantize_groups(&p, begin, end, block_cols, scale_data, dynamic ? 1 : 0, scale_from_amax);
+      fp8_cpu_quantize_groups(&p, begin, end, block_cols, scale_data, dynamic ? 1 : 0, rule);
     });
     return {q, scale.has_value() ? scale->clone() : scales};
   }
@@ -259,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, 
       const int64_t r1 = std::min(p.rows, r0 + block_rows), c1 = std::min(p.cols, c0 + block_cols);
       if (dynamic) {
         fp8_cpu_row_amax(&p, r0, r1, c0, c1, row_amax.data());
-        scale_data[t] = scale_from_amax(*std::max_element(row_amax.begin(), row_amax.begin() + (r1 - r0)), format);
+        scale_data[t] = rule(*std::max_element(row_amax.begin(), row_amax.begin() + (r1 - r0)), format);
       }
       fp8_cpu_quantize(&p, r0, r1, c0, c1, scale_data + t, 0);
     }
@@ -300,9 +303,9 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
   const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
+  const fp8_scaled_mm_params given = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
   const int64_t threads = at::get_num_threads();
-  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&p), n, threads);
+  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, threads);
 #if defined(__SANITIZE_ADDRESS__)
   // The instrumented build (make sanitize) gives the workspace and each thread's scratch
   // buffers of their own, of exactly the sizes the plan asked for: in the one shared
@@ -319,6 +322,9 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
   // region runs its loops on the calling thread alone, whose number may exceed the pool's.
   const auto scratch = [&] { return workspace + workspace_bytes + (at::get_thread_num() % threads) * scratch_bytes; };
 #endif
+  // Block scales a power of two apart: folded into the operands, the call runs per row and column.
+  fp8_scaled_mm_params folded;
+  const fp8_scaled_mm_params& p = fp8_cpu_scaled_mm_fold(&given, &plan, workspace, &folded) ? folded : given;
   // Activations are widened once (rows in blocks of 16: the tile kernel packs 16 rows together) ...
   const int64_t row_blocks = (m + 15) / 16;
   at::parallel_for(0, row_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -348,6 +354,27 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
 }
 
 }  // namespace
+
+// For tests and benchmarks: which kernel scaled_mm picks for these operands on the CPU,
+// and whether their block scales fold into the operands (fp8_cpu_scaled_mm_fold).
+std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                                 const at::Tensor& scale_b) {
+  check_scaled_mm_args(a, b, scale_a, scale_b, std::nullopt, at::kFloat);
+  check_scale_values(scale_a, "scale_a");
+  check_scale_values(scale_b, "scale_b");
+  const at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
+  const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, at::Tensor(), out);
+  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p);
+  static const char* const names[] = {"scalar", "float_dot", "bf16_dot", "bf16_tile", "amx", "avx2_panel"};
+  bool folded = false;
+  if (plan.fold_offset >= 0) {
+    const at::Tensor workspace = at::empty({plan.workspace_bytes}, at::kByte);
+    fp8_scaled_mm_params unused;
+    folded = fp8_cpu_scaled_mm_fold(&p, &plan, workspace.data_ptr(), &unused) != 0;
+  }
+  return {names[plan.method], folded};
+}
 
 TORCH_LIBRARY_IMPL(fp8linear, CPU, m) {
   m.impl("quantize_fp8", &quantize_fp8_cpu);

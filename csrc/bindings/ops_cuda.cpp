@@ -82,17 +82,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
 // the per-row kernels; everything else (weight blocks, partial groups, strided x) runs
 // as ATen operations that are the reference's arithmetic (amax of the finite |x| per
 // block, the scale rule in double, a true division, clamp, one rounding): exact, though
-// not a fused kernel.
+// not a fused kernel. power_of_two (dynamic scales rounded up to powers of two) takes
+// that path too.
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x, const std::optional<at::Tensor>& scale,
                                                             at::ScalarType dtype, int64_t block_rows,
-                                                            int64_t block_cols) {
+                                                            int64_t block_cols, bool power_of_two) {
   const std::vector<int64_t> scale_shape = check_quantize_blocks_args(x, scale, dtype, block_rows, block_cols);
   check_cuda(x, "x");
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const c10::cuda::CUDAGuard guard(x.device());
   // Groups of a contiguous x whose rows are whole groups are the rows of x viewed as
   // [numel / group, group]: the per-row kernels, one launch, the same rule per group.
-  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0) {
+  const bool rounded = power_of_two && !scale.has_value();
+  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0 && !rounded) {
     const std::optional<at::Tensor> row_scale =
         scale.has_value() ? std::optional<at::Tensor>(scale->reshape({-1, 1})) : std::nullopt;
     auto [q, scales] = quantize_fp8_cuda(x.view({-1, block_cols}), row_scale, dtype, true);
@@ -102,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x,
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   if (x.numel() == 0) {
     if (scale.has_value()) return {q, scale->clone()};
-    return {q, at::full(scale_shape, scale_from_amax(0.0f, format), x.options().dtype(at::kFloat))};
+    const float floor = rounded ? power_of_two_scale_from_amax(0.0f, format) : scale_from_amax(0.0f, format);
+    return {q, at::full(scale_shape, floor, x.options().dtype(at::kFloat))};
   }
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows, col_blocks = (cols + block_cols - 1) / block_cols;
@@ -116,6 +119,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x,
     magnitude = at::constant_pad_nd(magnitude, {0, col_blocks * block_cols - cols, 0, row_blocks * block_rows - rows});
     const at::Tensor amax = magnitude.reshape({row_blocks, block_rows, col_blocks, block_cols}).amax({1, 3});
     scales = (amax.to(at::kDouble) / fmax).clamp_min(1.0 / (fmax * 512.0)).to(at::kFloat);
+    if (rounded) {  // power_of_two_ceil on the float32 bits: a set significand moves the exponent up one
+      const at::Tensor bits = scales.view(at::kInt);
+      const at::Tensor rounded_bits = at::where(bits.bitwise_and(0x7FFFFF).ne(0),
+                                                bits.bitwise_and(0x7F800000).add(0x800000), bits);
+      scales = rounded_bits.view(at::kFloat);
+    }
   }
   const at::Tensor expanded = scales.repeat_interleave(block_rows, 0)
                                   .repeat_interleave(block_cols, 1)

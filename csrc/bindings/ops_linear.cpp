@@ -16,12 +16,13 @@ namespace {
 
 // How FP8Linear quantizes its input; the values of fp8linear.linear's ACTIVATION_* codes.
 enum ActivationMode : int64_t { kActivationsNone = 0, kActivationsStatic = 1, kActivationsDynamic = 2 };
-enum ActivationGranularity : int64_t { kPerTensor = 0, kPerToken = 1, kPerGroup = 2 };
+// kPerGroupPowerOfTwo: per group, scales rounded up to powers of two (scale_fmt "ue8m0")
+enum ActivationGranularity : int64_t { kPerTensor = 0, kPerToken = 1, kPerGroup = 2, kPerGroupPowerOfTwo = 3 };
 
 using QuantizeSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                             at::ScalarType, bool);
 using QuantizeBlocksSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
-                                                                  at::ScalarType, int64_t, int64_t);
+                                                                  at::ScalarType, int64_t, int64_t, bool);
 using ScaledMmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const std::optional<at::Tensor>&, at::ScalarType);
 using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -56,8 +57,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x2d, c
   if (activations == kActivationsStatic) {
     return quantize_op().call(x2d, activation_scale, weight.scalar_type(), false);
   }
-  if (granularity == kPerGroup) {
-    return quantize_blocks_op().call(x2d, std::nullopt, weight.scalar_type(), 1, FP8_SCALE_BLOCK);
+  if (granularity == kPerGroup || granularity == kPerGroupPowerOfTwo) {
+    return quantize_blocks_op().call(x2d, std::nullopt, weight.scalar_type(), 1, FP8_SCALE_BLOCK,
+                                     granularity == kPerGroupPowerOfTwo);
   }
   return quantize_op().call(x2d, std::nullopt, weight.scalar_type(), granularity == kPerToken);
 }
@@ -80,8 +82,9 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t ac
                     ", got x of shape ", x.sizes(), " and weight of shape ", weight.sizes());
   TORCH_CHECK_VALUE(activations >= kActivationsNone && activations <= kActivationsDynamic,
                     "linear: activations must be 0 (none), 1 (static) or 2 (dynamic), got ", activations);
-  TORCH_CHECK_VALUE(granularity >= kPerTensor && granularity <= kPerGroup,
-                    "linear: granularity must be 0 (tensor), 1 (token) or 2 (group), got ", granularity);
+  TORCH_CHECK_VALUE(granularity >= kPerTensor && granularity <= kPerGroupPowerOfTwo,
+                    "linear: granularity must be 0 (tensor), 1 (token), 2 (group) or 3 (group, power-of-two "
+                    "scales), got ", granularity);
 }
 
 // The rows of x [..., K]: the product of its leading dimensions.

@@ -124,6 +124,8 @@ typedef struct {
   int64_t height;        /* rows of the panel: AMX_PANEL_COLS, or AMX_FULL_K_COLS for the full-K kernel */
   int64_t left;          /* units still to widen */
   uint16_t* panel;
+  const int8_t* fold;    /* p->fold_b (power-of-two block scales folded into the weights), or NULL */
+  int64_t fold_k_blocks, n0, k0; /* its row length, and the panel's first weight row and k */
 } panel_widener;
 
 ALWAYS_INLINE uint16_t* panel_row(uint16_t* panel, int64_t steps, int64_t col) {
@@ -144,6 +146,10 @@ static inline panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int6
   w.left = height * w.units_per_row;
   w.panel = panel;
   w.dest = panel_row(panel, w.steps, 0);
+  w.fold = p->fold_b;
+  w.fold_k_blocks = p->fold_k_blocks;
+  w.n0 = n0;
+  w.k0 = k0;
   return w;
 }
 
@@ -160,6 +166,9 @@ BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_
       _mm_prefetch(address_at((const void*)w->src, w->height * w->b_col_stride), _MM_HINT_T1);
       __m512i out0, out1;
       widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(w->k_left), (const void*)w->src), &out0, &out1);
+      if (w->fold) /* the unit's block of 128 weight rows and of 128 k */
+        fold64(w->fold[(w->n0 + w->col) / FP8_SCALE_BLOCK * w->fold_k_blocks + (w->k0 + w->unit * 64) / FP8_SCALE_BLOCK],
+               &out0, &out1);
       _mm512_store_si512(w->dest, out0);
       _mm512_store_si512(w->dest + AMX_TILE_BF16, out1);
     } else {

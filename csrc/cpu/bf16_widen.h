@@ -50,6 +50,25 @@ BF16_TARGET ALWAYS_INLINE void widen64(const widen_tables_t* t, __m512i codes, _
   *out1 = _mm512_unpackhi_epi8(low, high);
 }
 
+/* 32 bf16 values times 2^shift (`delta`: shift << 7 in every 16-bit lane), exactly for
+ * results that stay normal (fp8_cpu_scaled_mm_fold keeps them so): the shift is added to
+ * the exponent field of the finite nonzero lanes; zeros, infinities and NaNs are kept. */
+BF16_TARGET ALWAYS_INLINE __m512i fold_exponent(__m512i v, __m512i delta) {
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+  /* 1 <= magnitude <= 0x7F7F (0x7F80: infinity, above: NaN), as magnitude - 1 < 0x7F7F unsigned */
+  const __mmask32 finite_nonzero =
+      _mm512_cmp_epu16_mask(_mm512_sub_epi16(magnitude, _mm512_set1_epi16(1)), _mm512_set1_epi16(0x7F7F), _MM_CMPINT_LT);
+  return _mm512_mask_add_epi16(v, finite_nonzero, v, delta);
+}
+
+/* widen64's two vectors times 2^shift (fold_exponent), both halves of 64 codes of one block. */
+BF16_TARGET ALWAYS_INLINE void fold64(int shift, __m512i* out0, __m512i* out1) {
+  if (shift == 0) return;
+  const __m512i delta = _mm512_set1_epi16((short)(shift * 128));
+  *out0 = fold_exponent(*out0, delta);
+  *out1 = fold_exponent(*out1, delta);
+}
+
 /* The same permutation for 64 bf16 values already in memory (weight-only, bf16 input). */
 BF16_TARGET ALWAYS_INLINE void permute64_bf16(__m512i v0, __m512i v1, __m512i* out0, __m512i* out1) {
   const __m512i index0 = _mm512_set_epi16(55, 54, 53, 52, 51, 50, 49, 48, 39, 38, 37, 36, 35, 34, 33, 32,

@@ -60,6 +60,9 @@ static inline void fp8_store_dot_sum(const fp8_scaled_mm_params* p, int64_t m, i
   fp8_store_float(p->out, p->out_dtype, m * p->out_row_stride + n, sum * scale + bias);
 }
 
+/* Bytes fp8_cpu_scaled_mm_fold (fold_scales.c) may write at plan->fold_offset. */
+int64_t fp8_cpu_fold_bytes(const fp8_scaled_mm_params* p);
+
 /* The AVX512-BF16 kernels (gemm_avx512_bf16.c); scratch: fp8_bf16_scratch_bytes per thread. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,

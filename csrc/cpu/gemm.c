@@ -106,6 +106,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
   plan.m_padded = p->m;
   plan.tile_m = p->m < 256 ? p->m : 256;
   plan.tile_n = 64;
+  plan.fold_offset = -1;
   /* The fast kernels stream each weight row (output column) as K contiguous bytes,
    * the layout of a Linear weight passed as w.t(). */
   const int weight_rows_contiguous = p->b_row_stride == 1 || p->k == 1;
@@ -139,6 +140,15 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
     plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);
+    /* Block scales a power of two apart go into the operands (fp8_cpu_scaled_mm_fold) for
+     * the full-K and panel kernels, whose C tiles then stay in the tiles over all of K:
+     * block-wise at M = 256 took 1.13-1.37x the per-channel time with a store and scaled
+     * add of every C tile per 128 k (docs/performance-notes.md). The stream kernel (M <= 64),
+     * the dot kernels and the AVX2 ones keep their per-block sums. */
+    if (plan.method == FP8_MM_AMX && fp8_k_blocked(p) && plan.m_padded > FP8_AMX_STREAM_MAX_ROWS) {
+      plan.fold_offset = round_up(plan.workspace_bytes, 64);
+      plan.workspace_bytes = plan.fold_offset + fp8_cpu_fold_bytes(p);
+    }
   } else if (plan.variant >= FP8_CPU_AVX2) {
     /* The AVX2 kernels: the avx2 variant, AVX-512 CPUs without AVX512-BF16, and float32 /
      * float16 activations (weight-only) on the bf16 variants. An AVX-512 dot kernel that

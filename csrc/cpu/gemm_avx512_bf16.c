@@ -67,14 +67,18 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
       uint16_t chunk[64] __attribute__((aligned(64)));
       for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
       permute64_bf16(_mm512_load_si512(chunk), _mm512_load_si512(chunk + 32), &out0, &out1);
-    } else if (p->a_col_stride == 1) {
-      const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride + k0;
-      widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), row), &out0, &out1);
     } else {
-      const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride;
-      uint8_t chunk[64] __attribute__((aligned(64)));
-      for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
-      widen64(t, _mm512_load_si512(chunk), &out0, &out1);
+      if (p->a_col_stride == 1) {
+        const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride + k0;
+        widen64(t, _mm512_maskz_loadu_epi8(tail_mask64(count), row), &out0, &out1);
+      } else {
+        const uint8_t* row = (const uint8_t*)p->a + m * p->a_row_stride;
+        uint8_t chunk[64] __attribute__((aligned(64)));
+        for (int i = 0; i < 64; ++i) chunk[i] = i < count ? row[(k0 + i) * p->a_col_stride] : 0;
+        widen64(t, _mm512_load_si512(chunk), &out0, &out1);
+      }
+      /* power-of-two block scales folded into the values (k0: a multiple of 64, so all 64 in one block) */
+      if (p->fold_a) fold64(p->fold_a[m * p->fold_k_blocks + k0 / FP8_SCALE_BLOCK], &out0, &out1);
     }
     _mm512_storeu_si512(out + k0, out0);
     _mm512_storeu_si512(out + k0 + 32, out1);
