@@ -39,10 +39,15 @@ DESCRIPTIONS = {
     "static": "W8A8, per-tensor weights, static (calibrated) per-tensor activations",
     "weight-only": "W8A16, per-channel fp8 weights, bf16 activations",
     "block": "W8A8, 128 x 128 weight blocks, dynamic activations per token and group of 128 (DeepSeek-V3 / Qwen3 layout)",
+    "block-ue8m0": "the block scheme with power-of-two weight and activation scales (scale_fmt ue8m0, DeepSeek-V3.1)",
 }
 
+#: the schemes measured: fp8linear.SCHEMES and the block scheme with scale_fmt "ue8m0" (an
+#: FP8Config option, not a scheme of its own: a saved checkpoint does not record it)
+MEASURED = {**fp8linear.SCHEMES, "block-ue8m0": {**fp8linear.SCHEMES["block"], "scale_fmt": "ue8m0"}}
+
 #: scheme -> (the scheme it is compared with, the largest perplexity increase over that one's)
-RELATIVE_TARGETS = {"block": ("per-channel", 0.01)}
+RELATIVE_TARGETS = {"block": ("per-channel", 0.01), "block-ue8m0": ("per-channel", 0.01)}
 
 
 def english_text() -> str:
@@ -80,7 +85,7 @@ def convert(original, scheme: str, calibration: list[torch.Tensor], keep_last: i
     layers = model.config.num_hidden_layers
     kept = tuple(f"model.layers.{index}." for index in range(layers - keep_last, layers))
     fp8linear.quantize_model(model, "fp8", filter_fn=(lambda module, name: not name.startswith(kept)) if kept else None,
-                             **fp8linear.SCHEMES[scheme])
+                             **MEASURED[scheme])
     if scheme == "static":
         fp8linear.calibrate(model, calibration)
     return model
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=48, help="evaluation windows (48)")
     parser.add_argument("--sequence-length", type=int, default=512, help="tokens per window (512)")
     parser.add_argument("--calibration-windows", type=int, default=16, help="windows calibrating 'static' (16)")
-    parser.add_argument("--schemes", nargs="*", default=list(fp8linear.SCHEMES), choices=list(fp8linear.SCHEMES))
+    parser.add_argument("--schemes", nargs="*", default=list(MEASURED), choices=list(MEASURED))
     parser.add_argument("--keep-last", type=int, default=2,
                         help="also run per-channel with the last N decoder layers in bf16 (2; 0: don't)")
     parser.add_argument("--no-float32", action="store_true", help="skip the float32 reference row")

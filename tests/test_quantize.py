@@ -106,6 +106,26 @@ def test_bf16_rows_with_scales_of_their_own(dtype, cpu_variant):
     _assert_matches_reference(x, dtype=dtype, granularity="group")
 
 
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_bf16_groups_with_power_of_two_scales(dtype, cpu_variant):
+    # rows whose group scales are all powers of two in the table's exponent range (scale_fmt
+    # "ue8m0") share one code table on the VBMI variants, whatever their exponents; rows
+    # with a scale past that range or not a power of two take the division kernel: every
+    # bf16 value, in rows of 740 (a last group of 100, whose tail of 4 is divided)
+    x = _every_bf16_value()[:88 * 740].reshape(88, 740)
+    groups = -(-740 // 128)
+    inside = [2.0**e for e in (-84, -83, -40, -17, -1, 0, 1, 7, 60, 99, 100)]
+    scales = torch.tensor(inside).repeat(88 * groups)[:88 * groups].reshape(88, groups)
+    scales[40:60, 2] = 2.0**-85  # past the range
+    scales[60:80, 5] = 2.0**101
+    scales[80:, 1] = 0.37  # not a power of two
+    _assert_matches_reference(x, scales, dtype=dtype, granularity="group")
+    q, s = fp8linear.quantize_fp8(x, dtype=dtype, granularity="group", scale_fmt="ue8m0")
+    q_ref, s_ref = reference.quantize_fp8(x, dtype=dtype, granularity="group", scale_fmt="ue8m0")
+    assert torch.equal(s, s_ref)
+    assert_same_fp8(q, q_ref)
+
+
 @pytest.mark.parametrize("x_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 def test_static_scale_matches_reference(x_dtype, dtype, cpu_variant):

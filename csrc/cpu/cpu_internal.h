@@ -34,6 +34,10 @@ void fp8_span_quantize_groups_avx512(const void* x, fp8_float_dtype dtype, int64
 /* bf16 by a per-scale table (quantize_vbmi.c), else as fp8_span_quantize_avx512; needs VBMI. */
 void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale,
                             uint8_t* q, fp8_format format);
+/* Groups as fp8_span_quantize_groups_avx512; bf16 groups with power-of-two scales by one
+ * shared table (quantize_vbmi.c). */
+void fp8_span_quantize_groups_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
+                                   const float* scales, uint8_t* q, fp8_format format);
 
 /* Element at index i of a float32/bf16/fp16 array, as float32. */
 static inline float fp8_load_float(const void* x, fp8_float_dtype dtype, int64_t i) {

@@ -95,57 +95,122 @@ VBMI_TARGET static inline __m512i small_codes(__m512i v, __m512 divisor, __m512 
   return _mm512_mask_blend_epi16(0xAAAAAAAAu, codes_even, _mm512_slli_epi32(codes_odd, 16));
 }
 
-VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale, uint8_t* q,
-                                        fp8_format format) {
-  /* per thread, the last scale's table: per-tensor scales build it once per call and
-   * thread, per-row scales once per row (8 steps of 16 divisions and roundings) */
-  static __thread code_table table;
-  uint32_t bits;
-  memcpy(&bits, &scale, sizeof bits);
-  if (dtype != FP8_BFLOAT16 || n < 32) {
-    fp8_span_quantize_avx512(x, dtype, n, scale, q, format);
-    return;
-  }
-  /* a new table costs about what 450 elements save: shorter spans with a scale of their
-   * own (groups of 128) keep the division kernel (groups ran at 0.75x its speed when
-   * they did not; per-row scales on rows of 576 run at 1.2-1.3x) */
-  const int cached = table.ready && table.scale_bits == bits && table.format == (int)format;
-  if (!cached && (n < FRESH_TABLE_MIN_ELEMENTS || !build_table(scale, format, &table))) {
-    fp8_span_quantize_avx512(x, dtype, n, scale, q, format);
-    return;
-  }
-  const int mb = format == FP8_E4M3FN ? 3 : 2, bias = format == FP8_E4M3FN ? 7 : 15;
-  const int exponent = (int)((bits >> 23) & 0xFF);
-  /* code = (ex - es + bias) * 2^mb + N[m] = (ex << mb) + (N[m] + 2^mb) + offset */
-  const __m512i offset = _mm512_set1_epi16((short)((bias - exponent - 1) * (1 << mb)));
-  const __m512i exponent_mask = _mm512_set1_epi16((short)(0xFF << mb));
-  const __m512i max_code = _mm512_set1_epi16(format == FP8_E4M3FN ? FP8_E4M3FN_MAX_CODE : FP8_E5M2_MAX_CODE);
+/* Whether `scale` is in the range the table formula takes (see above). */
+static int table_takes(uint32_t scale_bits) {
+  const int exponent = (int)((scale_bits >> 23) & 0xFF);
+  return exponent >= SCALE_EXPONENT_MIN && exponent <= SCALE_EXPONENT_MAX && !(scale_bits >> 31);
+}
+
+/* What the table loop keeps in registers for one table: a span's scale adds only its
+ * exponent (offset) and the divisor of its subnormal lanes. */
+typedef struct {
+  __m512i exponent_mask, max_code, subnormal_low, subnormal_span, magnitude_mask, inf_bits, nan_code, sign_bit;
+  __m512i table_low, table_high;
+  __m512 magic;
+  int mb, bias;
+} table_constants;
+
+VBMI_TARGET static inline table_constants constants_of(const code_table* t, fp8_format format) {
+  table_constants c;
+  c.mb = format == FP8_E4M3FN ? 3 : 2;
+  c.bias = format == FP8_E4M3FN ? 7 : 15;
+  c.exponent_mask = _mm512_set1_epi16((short)(0xFF << c.mb));
+  c.max_code = _mm512_set1_epi16(format == FP8_E4M3FN ? FP8_E4M3FN_MAX_CODE : FP8_E5M2_MAX_CODE);
   /* codes in [-mb * 2^mb, 2^mb]: results in the subnormal binades or their rounding
    * edges, where the normal formula does not hold (below: under half the smallest
    * subnormal, code 0) */
-  const __m512i subnormal_low = _mm512_set1_epi16((short)(-mb * (1 << mb)));
-  const __m512i subnormal_span = _mm512_set1_epi16((short)((1 << mb) + mb * (1 << mb)));
-  const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF), inf_bits = _mm512_set1_epi16(0x7F80);
-  const __m512i nan_code = _mm512_set1_epi16(0x7F), sign_bit = _mm512_set1_epi16(0x80);
-  const __m512 divisor = _mm512_set1_ps(scale);
+  c.subnormal_low = _mm512_set1_epi16((short)(-c.mb * (1 << c.mb)));
+  c.subnormal_span = _mm512_set1_epi16((short)((1 << c.mb) + c.mb * (1 << c.mb)));
+  c.magnitude_mask = _mm512_set1_epi16(0x7FFF);
+  c.inf_bits = _mm512_set1_epi16(0x7F80);
+  c.nan_code = _mm512_set1_epi16(0x7F);
+  c.sign_bit = _mm512_set1_epi16(0x80);
   /* a float32 whose ulp is the smallest subnormal: the sum rounds |x / scale| to it */
-  const __m512 magic = _mm512_castsi512_ps(_mm512_set1_epi32((127 + 1 - bias - mb + 23) << 23));
-  const __m512i table_low = _mm512_loadu_si512(table.entries), table_high = _mm512_loadu_si512(table.entries + 64);
-  const uint16_t* in = (const uint16_t*)x;
+  c.magic = _mm512_castsi512_ps(_mm512_set1_epi32((127 + 1 - c.bias - c.mb + 23) << 23));
+  c.table_low = _mm512_loadu_si512(t->entries);
+  c.table_high = _mm512_loadu_si512(t->entries + 64);
+  return c;
+}
+
+/* q[0, n) of bf16 x by the table of `c` (built for scale's significand; the exponent goes
+ * into the codes here), the last n % 32 by the division kernel. */
+VBMI_TARGET static inline __attribute__((always_inline)) void quantize_by_table(
+    const uint16_t* in, int64_t n, float scale, const table_constants* c, uint8_t* q, fp8_format format) {
+  uint32_t bits;
+  memcpy(&bits, &scale, sizeof bits);
+  const int exponent = (int)((bits >> 23) & 0xFF);
+  /* code = (ex - es + bias) * 2^mb + N[m] = (ex << mb) + (N[m] + 2^mb) + offset */
+  const __m512i offset = _mm512_set1_epi16((short)((c->bias - exponent - 1) * (1 << c->mb)));
+  const __m512 divisor = _mm512_set1_ps(scale);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m512i v = _mm512_loadu_si512(in + i);
     /* N[m] + 2^mb by the low byte of each bf16 (its 7 mantissa bits index the table),
      * zero in the high byte */
-    const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, table_low, v, table_high);
-    __m512i code = _mm512_and_si512(_mm512_srli_epi16(v, 7 - mb), exponent_mask);
+    const __m512i entry = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, c->table_low, v, c->table_high);
+    __m512i code = _mm512_and_si512(_mm512_srli_epi16(v, 7 - c->mb), c->exponent_mask);
     code = _mm512_add_epi16(_mm512_add_epi16(code, entry), offset);
-    const __mmask32 small = _mm512_cmple_epu16_mask(_mm512_sub_epi16(code, subnormal_low), subnormal_span);
-    if (small) code = _mm512_mask_mov_epi16(code, small, small_codes(v, divisor, magic));
-    code = _mm512_max_epi16(_mm512_min_epi16(code, max_code), _mm512_setzero_si512());
-    code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, magnitude_mask), inf_bits), nan_code);
-    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), sign_bit, 0xF8); /* code | (sign & 0x80) */
+    const __mmask32 small = _mm512_cmple_epu16_mask(_mm512_sub_epi16(code, c->subnormal_low), c->subnormal_span);
+    if (small) code = _mm512_mask_mov_epi16(code, small, small_codes(v, divisor, c->magic));
+    code = _mm512_max_epi16(_mm512_min_epi16(code, c->max_code), _mm512_setzero_si512());
+    code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, c->magnitude_mask), c->inf_bits),
+                                 c->nan_code);
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(v, 8), c->sign_bit, 0xF8); /* code | (sign & 0x80) */
     _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtepi16_epi8(code));
   }
-  if (i < n) fp8_span_quantize_avx512(in + i, dtype, n - i, scale, q + i, format);
+  if (i < n) fp8_span_quantize_avx512(in + i, FP8_BFLOAT16, n - i, scale, q + i, format);
+}
+
+/* Per thread: the table of the last scale (per-tensor scales build it once per call and
+ * thread, per-row scales once per row: 8 steps of 16 divisions and roundings), and the
+ * one of power-of-two scales (significand 1), which every group of a ue8m0 quantization
+ * shares whatever its exponent. */
+static __thread code_table last_table, power_of_two_table;
+
+/* The table for `scale`, or NULL where the division kernel should run: a table of
+ * another significand costs about what 450 elements save, so shorter spans with a scale
+ * of their own (groups of 128) keep the division kernel (groups ran at 0.75x its speed
+ * when they built tables), unless the scale is a power of two, whose table is built once. */
+VBMI_TARGET static const code_table* table_for(float scale, fp8_format format, int64_t n) {
+  uint32_t bits;
+  memcpy(&bits, &scale, sizeof bits);
+  if (!table_takes(bits)) return NULL;
+  const uint32_t significand = bits & 0x7FFFFFu;
+  code_table* t = significand == 0 ? &power_of_two_table : &last_table;
+  if (t->ready && (t->scale_bits & 0x7FFFFFu) == significand && t->format == (int)format) return t;
+  if (significand != 0 && n < FRESH_TABLE_MIN_ELEMENTS) return NULL;
+  return build_table(scale, format, t) ? t : NULL;
+}
+
+VBMI_TARGET void fp8_span_quantize_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, float scale, uint8_t* q,
+                                        fp8_format format) {
+  const code_table* t = dtype == FP8_BFLOAT16 && n >= 32 ? table_for(scale, format, n) : NULL;
+  if (t == NULL) {
+    fp8_span_quantize_avx512(x, dtype, n, scale, q, format);
+    return;
+  }
+  const table_constants c = constants_of(t, format);
+  quantize_by_table((const uint16_t*)x, n, scale, &c, q, format);
+}
+
+/* Groups of one row (as fp8_span_quantize_groups_avx512): bf16 groups whose scales are
+ * all powers of two in the table's range (scale_fmt "ue8m0") by the one power-of-two
+ * table, its constants kept in registers across the groups; any other row by the division
+ * kernel (a table per group would cost more than it saves). */
+VBMI_TARGET void fp8_span_quantize_groups_vbmi(const void* x, fp8_float_dtype dtype, int64_t n, int64_t group,
+                                               const float* scales, uint8_t* q, fp8_format format) {
+  int tabled = dtype == FP8_BFLOAT16 && group >= 32;
+  for (int64_t g = 0; tabled && g * group < n; ++g) {
+    uint32_t bits;
+    memcpy(&bits, &scales[g], sizeof bits);
+    tabled = (bits & 0x7FFFFFu) == 0 && table_takes(bits);
+  }
+  if (!tabled) {
+    fp8_span_quantize_groups_avx512(x, dtype, n, group, scales, q, format);
+    return;
+  }
+  const uint16_t* in = (const uint16_t*)x;
+  const table_constants c = constants_of(table_for(1.0f, format, n), format); /* built once per thread and format */
+  for (int64_t i = 0, g = 0; i < n; i += group, ++g)
+    quantize_by_table(in + i, n - i < group ? n - i : group, scales[g], &c, q + i, format);
 }
