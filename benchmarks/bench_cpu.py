@@ -291,7 +291,7 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         "as DeepSeek-V3 / Qwen3 FP8 checkpoints) in the same repetitions: \"block / per-channel\" > 1 means "
         "block-wise is slower; \"block ue8m0\" is the block scheme with its weight and activation scales "
         "rounded up to powers of two (scale_fmt \"ue8m0\", as DeepSeek-V3.1 checkpoints), which the AMX "
-        "kernels fold into the operands from M = 65.",
+        "kernels fold into the operands (all but the dot kernel of M = 1).",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),

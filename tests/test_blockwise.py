@@ -271,9 +271,10 @@ def plan(a, b, scale_a, scale_b):
 AMX_VARIANTS = {"amx", "amx_emulated"}
 
 
-# the full-K kernel (K <= 2048) and the panel kernel, partial blocks of k and of weight rows
-@pytest.mark.parametrize("m, k, n", [(65, 300, 200), (100, 129, 128), (300, 2000, 130), (100, 2200, 70),
-                                     (600, 700, 300)])
+# the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel, partial
+# blocks of k and of weight rows
+@pytest.mark.parametrize("m, k, n", [(5, 300, 200), (40, 1000, 150), (64, 2200, 40), (65, 300, 200), (100, 129, 128),
+                                     (300, 2000, 130), (100, 2200, 70), (600, 700, 300)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_power_of_two_block_scales_fold_on_amx(m, k, n, out_dtype, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, k, n)
@@ -328,7 +329,8 @@ def test_scales_that_do_not_fold():
             assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", True)
             assert plan(a, w.t(), mixed_a, scale_w.t()) == ("amx", False)
             assert plan(a, w.t(), scale_a, mixed_w.t()) == ("amx", False)
-            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == ("amx", False)  # the stream kernel's M
+            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == ("amx", True)  # the stream kernel's M
+            assert plan(a[:1], w.t(), scale_a[:1], scale_w.t()) == ("bf16_dot", False)  # decode: the dot kernel
             for sa, sw in ((mixed_a, scale_w), (scale_a, mixed_w)):
                 out = fp8linear.scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.float32)
                 assert relative_error(out, reference.scaled_mm_float64(a, w.t(), sa, sw.t())) <= 1e-5
@@ -490,8 +492,8 @@ def test_ue8m0_layers_fold_on_amx_and_take_every_path():
                 with torch.enable_grad():
                     full = layer(x.clone().requires_grad_())  # the full path (autograd)
                 assert torch.equal(full.detach(), expected)
-                folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())[1]
-                assert folded == (variant in AMX_VARIANTS and rows > 64)
+                method, folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())
+                assert folded == (method == "amx") and (method == "amx") == (variant in AMX_VARIANTS and rows > 4)
     with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for block-wise weights"):
         fp8linear.FP8Config(weight_granularity="channel", scale_fmt="ue8m0")
     with pytest.raises(ValueError, match="scale_fmt must be one of"):

@@ -36,9 +36,10 @@ enum {
 };
 
 /* One step of the stream kernel: 64 codes of each of the 16 weight rows from `src`
- * (`cols` of them exist; the others are zeros), widened into the two A tiles at dest. */
+ * (`cols` of them exist; the others are zeros), widened into the two A tiles at dest, times
+ * 2^shift (folded block scales: the 16 rows and 64 k lie in one block of 128 x 128). */
 BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const uint8_t* src, int64_t stride,
-                                                 int64_t cols, int64_t k, int64_t k_left, uint16_t* dest) {
+                                                 int64_t cols, int64_t k, int64_t k_left, int shift, uint16_t* dest) {
   const __mmask64 mask = tail_mask64(k_left);
   /* Each row's prefetch runs AMX_STREAM_PREFETCH bytes ahead; near the end of the row
    * (k codes long) it continues in the same row of the next group, so that the next
@@ -51,6 +52,7 @@ BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const 
     if (r < cols) {
       _mm_prefetch(address_at(src, r * stride + ahead), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, src + r * stride), &out0, &out1);
+      fold64(shift, &out0, &out1);
     }
     _mm512_store_si512(dest + r * AMX_K, out0);
     _mm512_store_si512(dest + AMX_TILE_BF16 + r * AMX_K, out1);
@@ -111,7 +113,10 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
   stream_step ahead = {n_begin, 0};
 #define WIDEN_AHEAD(buffer)                                                                                 \
   widen_stream_step(&t, p->b + ahead.n0 * p->b_col_stride + ahead.k0, p->b_col_stride, STREAM_COLS_AT(ahead.n0), \
-                    p->k, p->k - ahead.k0, buffer)
+                    p->k, p->k - ahead.k0,                                                                  \
+                    p->fold_b ? p->fold_b[ahead.n0 / FP8_SCALE_BLOCK * p->fold_k_blocks + ahead.k0 / FP8_SCALE_BLOCK] \
+                              : 0,                                                                          \
+                    buffer)
   for (int i = 0; i < AMX_STREAM_BUFFERS - 1 && ahead.n0 < n_end; ++i, ahead = next_stream_step(ahead, kp))
     WIDEN_AHEAD(buffers[i]);
   /* the sums, [weight row][activation row] per group; up to 2 groups, each group's two
