@@ -287,8 +287,9 @@ def test_power_of_two_block_scales_fold_on_amx(m, k, n, out_dtype, cpu_variant):
 
 @pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
 @pytest.mark.parametrize("significand", [1.0, 1.37])
-def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtype, significand, cpu_variant):
-    a, w, scale_a, scale_w = folding_operands(100, 300, 140, a_dtype, b_dtype, significand)
+@pytest.mark.parametrize("m", [40, 100])  # the stream kernel (shifted tables per step), the full-K kernel
+def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtype, significand, m, cpu_variant):
+    a, w, scale_a, scale_w = folding_operands(m, 300, 140, a_dtype, b_dtype, significand)
     assert plan(a, w.t(), scale_a, scale_w.t())[1] == (cpu_variant in AMX_VARIANTS)
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
     assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
@@ -299,9 +300,9 @@ def test_folded_scales_spanning_2_to_the_32():
     # values, e5m2 included); 2^-33 apart they are summed block by block instead
     for variant in AMX_VARIANTS & set(fp8linear.ops.native().cpu_variants_supported()):
         with forced_cpu_variant(variant):
-            for shift, folds in ((32, True), (33, False)):
+            for shift, folds, m in ((32, True, 80), (32, True, 48), (33, False, 80)):
                 for dtype in FP8_DTYPES:
-                    a, w, scale_a, scale_w = folding_operands(80, 384, 256, dtype, dtype)
+                    a, w, scale_a, scale_w = folding_operands(m, 384, 256, dtype, dtype)
                     scale_a, scale_w = scale_a.clone(), scale_w.clone()
                     scale_a[:, 1] = scale_a.amax(dim=1) * 2.0**-shift  # the row's smallest, `shift` below its largest
                     scale_w[1, 2] = scale_w[1].amin() * 2.0**shift  # this block row's largest
@@ -348,23 +349,25 @@ def test_one_folded_scale_beside_a_per_token_or_per_channel_one(cpu_variant):
         assert relative_error(out, reference.scaled_mm_float64(*args)) <= 1e-5
 
 
-def test_folded_scales_keep_nan_inf_and_zeros():
-    a, w, scale_a, scale_w = folding_operands(100, 300, 140, b_dtype=torch.float8_e5m2)
+@pytest.mark.parametrize("m", [40, 100])
+def test_folded_scales_keep_nan_inf_and_zeros(m):
+    a, w, scale_a, scale_w = folding_operands(m, 300, 140, b_dtype=torch.float8_e5m2)
     a, w = a.clone(), w.clone()
     a.view(torch.uint8)[3, 200] = 0x7F  # e4m3 NaN: row 3 is NaN everywhere
     w.view(torch.uint8)[5, 10] = 0x7C  # e5m2 +inf: column 5 is +-inf or NaN
+    w.view(torch.uint8)[7, 20] = 0xFE  # e5m2 NaN: column 7 is NaN
     a.view(torch.uint8)[10] = 0  # a row of zeros
     for variant in fp8linear.ops.native().cpu_variants_supported():
         with forced_cpu_variant(variant):
             out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
             exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
-            assert torch.isnan(out[3]).all()
+            assert torch.isnan(out[3]).all() and torch.isnan(out[:, 7]).all()
             assert torch.equal(torch.isinf(out[:, 5]), torch.isinf(exact[:, 5]))
             assert torch.equal(torch.isnan(out[:, 5]), torch.isnan(exact[:, 5]))
             assert torch.equal(out[10].nan_to_num(7.0), exact[10].float().nan_to_num(7.0))  # zeros (0 * inf: NaN)
-            keep = torch.ones(100, dtype=torch.bool)
+            keep = torch.ones(m, dtype=torch.bool)
             keep[3] = False
-            assert relative_error(out[keep][:, 6:], exact[keep][:, 6:]) <= 1e-5
+            assert relative_error(out[keep][:, 8:], exact[keep][:, 8:]) <= 1e-5
 
 
 def test_transposed_and_contiguous_block_scales_agree():

@@ -143,11 +143,12 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
     /* Block scales a power of two apart go into the operands (fp8_cpu_scaled_mm_fold) for
      * the AMX kernels, whose C tiles then stay in the tiles over all of K: block-wise at
      * M = 256 took 1.13-1.37x the per-channel time with a store and scaled add of every C
-     * tile per 128 k (docs/performance-notes.md). In the stream kernel (M <= 64), which
-     * widens each weight for fewer rows, the fold's exponent adds cost more of what they
-     * save: scaled_mm, 2 threads, Intel Xeon with AMX, over per-channel, medians of 11-15
-     * alternated rounds: M = 64 1.00-1.18 (K-blocked 1.07-1.28), M = 16-32 1.05-1.21
-     * (1.07-1.18). The dot kernels and the AVX2 ones keep their per-block sums. */
+     * tile per 128 k (docs/performance-notes.md). The stream kernel (M <= 64), which
+     * widens each weight for fewer rows, shifts its widening tables once per step instead
+     * of each value: scaled_mm, 2 threads, Intel Xeon with AMX, over per-channel, medians
+     * of 11 alternated rounds, M = 16-64: 0.94-1.07 (K-blocked 0.97-1.38; with the
+     * exponent added to each widened value 1.00-1.21). The dot kernels and the AVX2 ones
+     * keep their per-block sums. */
     if (plan.method == FP8_MM_AMX && fp8_k_blocked(p)) {
       plan.fold_offset = round_up(plan.workspace_bytes, 64);
       plan.workspace_bytes = plan.fold_offset + fp8_cpu_fold_bytes(p);

@@ -37,9 +37,13 @@ enum {
 
 /* One step of the stream kernel: 64 codes of each of the 16 weight rows from `src`
  * (`cols` of them exist; the others are zeros), widened into the two A tiles at dest, times
- * 2^shift (folded block scales: the 16 rows and 64 k lie in one block of 128 x 128). */
-BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const uint8_t* src, int64_t stride,
-                                                 int64_t cols, int64_t k, int64_t k_left, int shift, uint16_t* dest) {
+ * 2^shift (folded block scales: the 16 rows and 64 k lie in one block of 128 x 128, so one
+ * set of shifted tables serves them all). */
+BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* tables, fp8_format format, const uint8_t* src,
+                                                 int64_t stride, int64_t cols, int64_t k, int64_t k_left, int shift,
+                                                 uint16_t* dest) {
+  const widen_tables_t shifted = shifted_tables(tables, format, shift);
+  const widen_tables_t* t = &shifted;
   const __mmask64 mask = tail_mask64(k_left);
   /* Each row's prefetch runs AMX_STREAM_PREFETCH bytes ahead; near the end of the row
    * (k codes long) it continues in the same row of the next group, so that the next
@@ -52,7 +56,6 @@ BF16_TARGET ALWAYS_INLINE void widen_stream_step(const widen_tables_t* t, const 
     if (r < cols) {
       _mm_prefetch(address_at(src, r * stride + ahead), _MM_HINT_T0);
       widen64(t, _mm512_maskz_loadu_epi8(mask, src + r * stride), &out0, &out1);
-      fold64(shift, &out0, &out1);
     }
     _mm512_store_si512(dest + r * AMX_K, out0);
     _mm512_store_si512(dest + AMX_TILE_BF16 + r * AMX_K, out1);
@@ -112,7 +115,7 @@ BF16_TARGET ALWAYS_INLINE void amx_stream(const fp8_scaled_mm_params* p, const f
   /* the steps already widened: AMX_STREAM_BUFFERS - 1 of them ahead of the one in use */
   stream_step ahead = {n_begin, 0};
 #define WIDEN_AHEAD(buffer)                                                                                 \
-  widen_stream_step(&t, p->b + ahead.n0 * p->b_col_stride + ahead.k0, p->b_col_stride, STREAM_COLS_AT(ahead.n0), \
+  widen_stream_step(&t, p->b_format, p->b + ahead.n0 * p->b_col_stride + ahead.k0, p->b_col_stride, STREAM_COLS_AT(ahead.n0), \
                     p->k, p->k - ahead.k0,                                                                  \
                     p->fold_b ? p->fold_b[ahead.n0 / FP8_SCALE_BLOCK * p->fold_k_blocks + ahead.k0 / FP8_SCALE_BLOCK] \
                               : 0,                                                                          \
