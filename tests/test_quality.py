@@ -27,7 +27,7 @@ def test_quality_smoke(tmp_path):
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 7 and re.fullmatch(r"[\d.]+", cells[2]):
             rows[cells[0]] = (float(cells[2]), float(cells[4].rstrip("%")))
-    assert set(rows) == {"original (bf16)", "per-tensor", "per-channel", "static", "weight-only", "block",
+    assert set(rows) == {"original (bf16)", "per-tensor", "per-channel", "static", "weight-only", "block", "block-ue8m0",
                          "per-channel, last 2 layers bf16", "original (float32)"}
     reference = rows["original (bf16)"][0]
     assert 5 < reference < 200
