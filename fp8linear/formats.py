@@ -85,7 +85,17 @@ def compressed_tensors_config(layers: dict[str, FP8Config], ignored: list[str], 
 
     With one scheme the group targets the class ``"Linear"`` and the ``ignore`` list names
     the rest, as llm-compressor writes it; with several, each group lists its layers.
+
+    Block layers with ``scale_fmt="ue8m0"`` add ``"scale_fmt": "ue8m0"`` beside the groups,
+    where DeepSeek's "fp8" configs have it: compressed-tensors has no field for it and its
+    parser ignores keys it does not know at that level, and fp8linear reads it back. It is
+    one flag for the whole model, so the block layers must all have it or none.
     """
+    scale_formats = {config.scale_fmt for config in layers.values() if config.weight_granularity == "block"}
+    if len(scale_formats) > 1:
+        raise ValueError(f"block layers with different scale_fmt ({sorted(map(str, scale_formats))}): the "
+                         "compressed-tensors config holds one scale_fmt for all of them")
+    scale_fmt = scale_formats.pop() if scale_formats else None
     by_config: dict[FP8Config, list[str]] = {}
     for name, config in layers.items():
         by_config.setdefault(config, []).append(name)
@@ -98,6 +108,7 @@ def compressed_tensors_config(layers: dict[str, FP8Config], ignored: list[str], 
         "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
         "quantization_status": "compressed",
         "config_groups": groups,
+        **({"scale_fmt": scale_fmt} if scale_fmt else {}),
         "ignore": list(ignored),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
@@ -212,6 +223,9 @@ def _parse_compressed_tensors(quantization: dict, source: str) -> CheckpointSche
         raise ValueError(f"{source}: quantization_status {quantization.get('quantization_status')!r}: "
                          "only compressed checkpoints (fp8 weights stored as fp8) can be loaded")
     model_format = quantization.get("format")
+    scale_fmt = quantization.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"{source}: scale_fmt {scale_fmt!r}: fp8linear knows 'ue8m0' (or none)")
     groups = []
     for group_name, group in (quantization.get("config_groups") or {}).items():
         if not isinstance(group, dict):
@@ -224,6 +238,8 @@ def _parse_compressed_tensors(quantization: dict, source: str) -> CheckpointSche
         if group.get("output_activations"):
             raise ValueError(f"{source}: config group {group_name!r} quantizes output activations")
         config = _fp8_config_from_args(group_name, group.get("weights"), group.get("input_activations"))
+        if config.weight_granularity == "block" and scale_fmt:  # (fp8linear's own key, see compressed_tensors_config)
+            config = dataclasses.replace(config, scale_fmt=scale_fmt)
         groups.append((list(group.get("targets") or []), config))
     if not groups:
         raise ValueError(f"{source}: quantization_config has no config_groups")

@@ -181,3 +181,36 @@ def test_block_scheme_round_trip_and_checkpoint_conversion(tmp_path):
         assert torch.equal(layer.weight_scale, fp8_layers(model)[name].weight_scale)
     with safe_open(str(tmp_path / "cli" / "model.safetensors"), "pt") as file:
         assert file.get_tensor("model.layers.0.mlp.up_proj.weight_scale").shape == (3, 1)
+
+
+def test_ue8m0_block_model_round_trip_and_other_readers(tmp_path):
+    # scale_fmt "ue8m0" is written beside the config groups (compressed-tensors has no field
+    # for it and ignores it there) and read back; transformers + compressed-tensors load the
+    # same checkpoint (with float activation scales of their own)
+    quantization_module = pytest.importorskip("compressed_tensors.quantization")
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(intermediate_size=384)  # whole blocks: compressed-tensors' forward needs them
+    fp8linear.quantize_model(model, "fp8", **fp8linear.SCHEMES["block"], scale_fmt="ue8m0")
+    for layer in fp8_layers(model).values():
+        assert torch.equal(fp8linear.reference.power_of_two_ceil(layer.weight_scale), layer.weight_scale)
+    fp8linear.save_quantized(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert written["scale_fmt"] == "ue8m0"
+    parsed = quantization_module.QuantizationConfig.model_validate(written).model_dump()
+    assert parsed["config_groups"] == written["config_groups"]
+    loaded = fp8linear.load_quantized(tmp_path)
+    assert {name: layer.config for name, layer in fp8_layers(loaded).items()} == \
+        {name: layer.config for name, layer in fp8_layers(model).items()}
+    ids = token_ids()
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+    reader = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    quantization_error = relative_error(logits(model, ids), logits(tiny_llama(intermediate_size=384), ids))
+    assert relative_error(logits(reader, ids), logits(model, ids)) < quantization_error
+
+    # one flag for the model: block layers with and without it cannot be saved together
+    mixed = tiny_llama()
+    fp8linear.quantize_model(mixed, "fp8", **fp8linear.SCHEMES["block"], scale_fmt="ue8m0",
+                             filter_fn=lambda module, name: "mlp" in name)
+    fp8linear.quantize_model(mixed, "fp8", **fp8linear.SCHEMES["block"])
+    with pytest.raises(ValueError, match="different scale_fmt"):
+        fp8linear.save_quantized(mixed, tmp_path / "mixed")
