@@ -29,7 +29,7 @@ def _quantize(args: argparse.Namespace) -> int:
                 raise ValueError(f"--calibration-text {args.calibration_text} is not UTF-8 text ({error})") from None
         result = quantize_checkpoint(args.model_dir, args.out_dir, scheme=args.scheme, skip_modules=args.skip,
                                      calibration_text=text, calibration_samples=args.calibration_samples,
-                                     sequence_length=args.sequence_length,
+                                     sequence_length=args.sequence_length, scale_fmt=args.scale_fmt,
                                      progress=False if args.no_progress else None)
     except (ValueError, OSError) as error:  # bad input (a directory, file or option): the message names it
         # anything else is a bug and keeps its traceback
@@ -67,6 +67,10 @@ def _add_quantize_command(commands) -> None:
                                "activation scales calibrated on --calibration-text; weight-only: fp8 weights only; "
                                "block: 128 x 128 weight blocks, activations per token and group of 128 (the "
                                "DeepSeek-V3 / Qwen3 FP8 layout, written as compressed-tensors FP8_BLOCK)")
+    quantize.add_argument("--scale-fmt", choices=["ue8m0"], default=None,
+                          help="with --scheme block: power-of-two scales (as DeepSeek-V3.1), which fp8linear's "
+                               "AMX kernels fold into the operands; its layers then quantize activations with "
+                               "power-of-two group scales too")
     quantize.add_argument("--calibration-text", metavar="FILE", default=None,
                           help="a UTF-8 text file to calibrate the static scheme's activation scales on")
     quantize.add_argument("--calibration-samples", type=_at_least_one, default=16,

@@ -180,7 +180,8 @@ def _stream_shards(files: list[pathlib.Path], out_dir: pathlib.Path, convert: se
                     tensor = file.get_tensor(name)
                     layer, _, attribute = name.rpartition(".")
                     if layer in convert and attribute == "weight":
-                        weight, scale = quantize_fp8(tensor, dtype=config.fp8_dtype, granularity=granularity)
+                        weight, scale = quantize_fp8(tensor, dtype=config.fp8_dtype, granularity=granularity,
+                                                     scale_fmt=config.scale_fmt)
                         written[name] = weight
                         written[f"{layer}.weight_scale"] = scale.reshape(1) if scale.dim() == 0 else scale
                         memory.converted_layers += 1
@@ -341,10 +342,11 @@ def _staged_output(out_dir: pathlib.Path):
 def quantize_checkpoint(model_dir: os.PathLike, out_dir: os.PathLike, *, scheme: str = "per-channel",
                         skip_modules=("lm_head",), calibration_text: str | None = None,
                         calibration_samples: int = 16, sequence_length: int = 512,
-                        progress: bool | None = None) -> CheckpointConversion:
+                        progress: bool | None = None, scale_fmt: str | None = None) -> CheckpointConversion:
     """Write the FP8 checkpoint of the transformers model in ``model_dir`` to ``out_dir``.
 
-    scheme: a key of SCHEMES ("per-tensor", "per-channel", "static", "weight-only").
+    scheme: a key of SCHEMES ("per-tensor", "per-channel", "static", "weight-only", "block").
+    scale_fmt: "ue8m0" with the block scheme: power-of-two block scales (FP8Config.scale_fmt).
     skip_modules: linear layers kept in full precision (last name component or full name).
     calibration_text: for "static" (required there): up to ``calibration_samples``
         sequences of ``sequence_length`` tokens of it calibrate the input scales, with
@@ -362,6 +364,8 @@ def quantize_checkpoint(model_dir: os.PathLike, out_dir: os.PathLike, *, scheme:
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+    if scale_fmt is not None and scheme != "block":
+        raise ValueError(f"scale_fmt {scale_fmt!r} is for the block scheme, got scheme {scheme!r}")
     if (scheme == "static") != (calibration_text is not None):
         raise ValueError("the 'static' scheme needs a calibration text, and only it uses one")
     _check_count("calibration_samples", calibration_samples)
@@ -398,7 +402,8 @@ def quantize_checkpoint(model_dir: os.PathLike, out_dir: os.PathLike, *, scheme:
 
     # Weights are quantized the same way for "static" as for "per-tensor"; the static
     # input scales come from calibrating the written checkpoint.
-    layer_config = FP8Config(**SCHEMES["per-tensor" if scheme == "static" else scheme])
+    layer_config = FP8Config(**SCHEMES["per-tensor" if scheme == "static" else scheme],
+                             **({"scale_fmt": scale_fmt} if scale_fmt else {}))
     files = checkpoint_files(model_dir)
     memory = MemoryReport(other_linear_layers=len(skipped))
     for name in skipped:

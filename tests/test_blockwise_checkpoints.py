@@ -214,3 +214,21 @@ def test_ue8m0_block_model_round_trip_and_other_readers(tmp_path):
     fp8linear.quantize_model(mixed, "fp8", **fp8linear.SCHEMES["block"])
     with pytest.raises(ValueError, match="different scale_fmt"):
         fp8linear.save_quantized(mixed, tmp_path / "mixed")
+
+
+def test_command_line_block_scheme_with_ue8m0_scales(tmp_path):
+    from fp8linear.__main__ import main
+
+    model = tiny_llama()
+    fp8linear.quantize_model(model, "fp8", **fp8linear.SCHEMES["block"], scale_fmt="ue8m0")
+    original = tiny_llama()
+    original.save_pretrained(tmp_path / "plain")
+    assert main(["quantize", str(tmp_path / "plain"), str(tmp_path / "cli"), "--no-progress", "--scheme", "block",
+                 "--scale-fmt", "ue8m0"]) == 0
+    converted = fp8linear.load_quantized(tmp_path / "cli")
+    for name, layer in fp8_layers(converted).items():
+        assert layer.config.scale_fmt == "ue8m0"
+        assert torch.equal(layer.weight.view(torch.uint8), fp8_layers(model)[name].weight.view(torch.uint8))
+        assert torch.equal(layer.weight_scale, fp8_layers(model)[name].weight_scale)
+    with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for the block scheme"):
+        fp8linear.quantize_checkpoint(tmp_path / "plain", tmp_path / "other", scheme="per-channel", scale_fmt="ue8m0")
