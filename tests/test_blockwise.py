@@ -320,6 +320,25 @@ def test_folded_scales_spanning_2_to_the_32():
                     assert exact.abs().max() > 0 and relative_error(out, exact) <= 1e-5
 
 
+def test_common_factors_that_would_overflow_do_not_fold():
+    # per row 2^100 and 2^70, per block row 2^20 and 2^50: every block's product is 2^120,
+    # but the rows' largest times the columns' largest, 2^150, is not a float32
+    k_blocks = 2
+    a = torch.full((100, 256), 2.0**-6).to(torch.float8_e4m3fn)
+    w = torch.full((128, 256), 2.0**-6).to(torch.float8_e4m3fn)
+    scale_a = torch.tensor([2.0**100, 2.0**70]).repeat(100, 1)
+    scale_w = torch.tensor([[2.0**20, 2.0**50]])
+    assert scale_a.shape == (100, k_blocks)
+    for variant in fp8linear.ops.native().cpu_variants_supported():
+        with forced_cpu_variant(variant):
+            if variant in AMX_VARIANTS:
+                assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", False)
+            out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+            assert torch.equal(out, torch.full((100, 128), 2.0**116))  # 256 products of 2^-12, times 2^120
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        plan(a.to("meta"), w.t().to("meta"), scale_a.to("meta"), scale_w.t().to("meta"))
+
+
 def test_scales_that_do_not_fold():
     a, w, scale_a, scale_w = folding_operands(100, 300, 140)
     mixed_a, mixed_w = scale_a.clone(), scale_w.clone()
@@ -344,7 +363,9 @@ def test_one_folded_scale_beside_a_per_token_or_per_channel_one(cpu_variant):
     x = values((100, 300), torch.bfloat16)
     one = torch.ones(())
     for args in ((a, w.t(), scale_a, weight_rows), (a, w.t(), tokens, scale_w.t()), (x, w.t(), one, scale_w.t())):
-        assert plan(*args)[1] == (cpu_variant in AMX_VARIANTS)
+        # weight-only calls (bf16 x) keep their blocks: shifted weights would raise the
+        # tiles' 2^-126 floor for products with bf16 activations
+        assert plan(*args)[1] == (cpu_variant in AMX_VARIANTS and args[0] is not x)
         out = fp8linear.scaled_mm(*args, out_dtype=torch.float32)
         assert relative_error(out, reference.scaled_mm_float64(*args)) <= 1e-5
 

@@ -65,7 +65,7 @@ inline float scale_from_amax(float amax, fp8_format format) {
   return static_cast<float>(scale > floor ? scale : floor);
 }
 
-// The smallest power of two >= scale (positive, finite; a normal float32 stays normal):
+// The smallest power of two >= scale (positive, finite, below 2^127 as the scale rule's are):
 // scale_fmt "ue8m0", as DeepSeek's reference inference rounds its activation scales.
 inline float power_of_two_ceil(float scale) {
   uint32_t bits;

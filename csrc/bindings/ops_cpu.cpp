@@ -360,6 +360,8 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
 std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                                  const at::Tensor& scale_b) {
   check_scaled_mm_args(a, b, scale_a, scale_b, std::nullopt, at::kFloat);
+  TORCH_CHECK_VALUE(a.is_cpu() && b.is_cpu() && scale_a.is_cpu() && scale_b.is_cpu(),
+                    "cpu_scaled_mm_plan: the CPU kernels' plan needs CPU tensors");
   check_scale_values(scale_a, "scale_a");
   check_scale_values(scale_b, "scale_b");
   const at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));

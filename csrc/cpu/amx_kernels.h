@@ -154,7 +154,7 @@ static inline panel_widener panel_widener_of(const fp8_scaled_mm_params* p, int6
 }
 
 /* `count` more units (or all that are left), row by row: no division in the loop, which
- * runs between tile products. */
+ * runs between tile products (the fold's divisions by 128 are shifts). */
 BF16_TARGET ALWAYS_INLINE void widen_units(panel_widener* w, const widen_tables_t* t, int64_t count) {
   for (count = count < w->left ? count : w->left; count > 0; --count) {
     if (w->col < w->cols) {

@@ -1,5 +1,6 @@
 /* Block scales that differ along K by powers of two only, folded into the operands
  * (fp8_cpu_scaled_mm_fold in kernels.h says when and why). */
+#include <float.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -42,9 +43,19 @@ static int fold_row(const float* scales, int64_t step, int64_t count, int8_t* sh
   return 1;
 }
 
+/* The largest of `count` scales `step` floats apart. */
+static float largest(const float* scales, int64_t step, int64_t count) {
+  float value = scales[0];
+  for (int64_t i = 1; i < count; ++i) value = scales[i * step] > value ? scales[i * step] : value;
+  return value;
+}
+
 int fp8_cpu_scaled_mm_fold(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                            fp8_scaled_mm_params* folded) {
-  if (plan->fold_offset < 0 || !fp8_k_blocked(p) || (p->scale_a_blocked && p->a_is_float)) return 0;
+  /* Float activations (weight-only) are not folded: the AMX unit flushes products below
+   * 2^-126, and a weight block shifted by 2^-32 would move that threshold for x * w up to
+   * 2^-94, where bf16 activations can reach (fp8 ones cannot: their products are >= 2^-32). */
+  if (plan->fold_offset < 0 || !fp8_k_blocked(p) || p->a_is_float) return 0;
   const int64_t k_blocks = (p->k + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
   const int64_t n_blocks = (p->n + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
   float* scale_rows = (float*)((uint8_t*)workspace + plan->fold_offset);
@@ -77,5 +88,10 @@ int fp8_cpu_scaled_mm_fold(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan*
     folded->scale_b_k_stride = folded->scale_b_n_stride = 0;
     folded->fold_b = shifts_b;
   }
+  /* the common factors multiply once per output: where their largest product would
+   * overflow, while no block's product of scales does, keep the blocks */
+  const float largest_a = largest(folded->scale_a, 1, folded->scale_a_per_row ? p->m : 1);
+  const float largest_b = largest(folded->scale_b, 1, folded->scale_b_per_col ? p->n : 1);
+  if (!((double)largest_a * (double)largest_b <= (double)FLT_MAX)) return 0;
   return 1;
 }
