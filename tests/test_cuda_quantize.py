@@ -150,3 +150,16 @@ def test_quantize_blocks(shape):
     q_ref, s_ref = reference.quantize_fp8(x.cpu(), granularity="block")
     assert torch.equal(s.cpu(), s_ref)
     assert_same_fp8(q.cpu(), q_ref)
+
+
+# scale_fmt "ue8m0": whole groups through the per-row kernel (its scales rounded up to
+# powers of two in the kernel), partial groups and weight blocks through ATen operations
+@pytest.mark.parametrize("shape, granularity", [((5, 300), "group"), ((4, 512), "group"), ((300, 4096), "group"),
+                                                ((2, 3, 256), "group"), ((300, 260), "block"), ((129, 1), "block")])
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_quantize_ue8m0(shape, granularity, dtype):
+    x = _data(shape, torch.bfloat16).cuda()
+    q, s = fp8linear.quantize_fp8(x, dtype=dtype, granularity=granularity, scale_fmt="ue8m0")
+    q_ref, s_ref = reference.quantize_fp8(x.cpu(), dtype=dtype, granularity=granularity, scale_fmt="ue8m0")
+    assert s.shape == s_ref.shape and torch.equal(s.cpu(), s_ref)
+    assert_same_fp8(q.cpu(), q_ref)

@@ -74,7 +74,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
     return {q, scale->clone()};
   }
   at::Tensor row_scales = at::empty(scale_shape, float_options);
-  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), stream));
+  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 0, stream));
+  return {q, row_scales};
+}
+
+// Dynamic scales per row of a contiguous, non-empty 2-D x rounded up to powers of two
+// (scale_fmt "ue8m0": groups of a contiguous x viewed as rows): the per-row kernel.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_power_of_two_cuda(const at::Tensor& x2d, at::ScalarType dtype) {
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor q = at::empty(x2d.sizes(), x2d.options().dtype(dtype));
+  at::Tensor row_scales = at::empty({x2d.size(0), 1}, x2d.options().dtype(at::kFloat));
+  const fp8_quantize_params p = quantize_params_of(row_view(x2d), q, format);
+  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 1, stream));
   return {q, row_scales};
 }
 
@@ -82,8 +94,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
 // the per-row kernels; everything else (weight blocks, partial groups, strided x) runs
 // as ATen operations that are the reference's arithmetic (amax of the finite |x| per
 // block, the scale rule in double, a true division, clamp, one rounding): exact, though
-// not a fused kernel. power_of_two (dynamic scales rounded up to powers of two) takes
-// that path too.
+// not a fused kernel. power_of_two: dynamic scales rounded up to powers of two (the
+// per-row kernel rounds them for whole groups; the ATen path for the others).
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x, const std::optional<at::Tensor>& scale,
                                                             at::ScalarType dtype, int64_t block_rows,
                                                             int64_t block_cols, bool power_of_two) {
@@ -94,7 +106,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x,
   // Groups of a contiguous x whose rows are whole groups are the rows of x viewed as
   // [numel / group, group]: the per-row kernels, one launch, the same rule per group.
   const bool rounded = power_of_two && !scale.has_value();
-  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0 && !rounded) {
+  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0 && rounded) {
+    check_launch(fp8_cuda_pending_error("quantize_fp8"));
+    auto [q, scales] = quantize_rows_power_of_two_cuda(x.view({-1, block_cols}), dtype);
+    return {q.view(x.sizes()), scales.view(scale_shape)};
+  }
+  if (block_rows == 1 && x.numel() > 0 && x.is_contiguous() && x.size(-1) % block_cols == 0) {
     const std::optional<at::Tensor> row_scale =
         scale.has_value() ? std::optional<at::Tensor>(scale->reshape({-1, 1})) : std::nullopt;
     auto [q, scales] = quantize_fp8_cuda(x.view({-1, block_cols}), row_scale, dtype, true);

@@ -51,8 +51,9 @@ const char* fp8_cuda_quantize_tensor_dynamic_launch(const fp8_quantize_params* p
 const char* fp8_cuda_quantize_static_launch(const fp8_quantize_params* p, const float* scale, int per_row,
                                             int multiprocessors, cudaStream_t stream);
 
-// One dynamic scale per row, written to row_scales[row].
-const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales,
+// One dynamic scale per row, written to row_scales[row]; power_of_two: each rounded up to a
+// power of two (scale_fmt "ue8m0", groups viewed as rows).
+const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales, int power_of_two,
                                                   cudaStream_t stream);
 
 // ---- scaled_mm ----------------------------------------------------------------

@@ -127,6 +127,13 @@ __device__ __forceinline__ float scale_from_amax(float amax) {
   return static_cast<float>(scale > floor ? scale : floor);
 }
 
+// The smallest power of two >= scale, on its bits, as power_of_two_ceil in checks.h.
+__device__ __forceinline__ float power_of_two_ceil(float scale) {
+  unsigned int bits = __float_as_uint(scale);
+  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;
+  return __uint_as_float(bits);
+}
+
 // Maximum over the threadIdx.x group of a row (blockDim.x threads, a power of two);
 // every thread of the block must call it. `shared` holds one float per warp.
 __device__ __forceinline__ float row_group_max(float value, float* shared) {
@@ -204,7 +211,9 @@ __global__ void __launch_bounds__(kThreads)
 // per-tensor path (the tensor as one row), where this latency is the kernel's time.
 constexpr int kHeldChunks = 8;
 
-template <fp8_float_dtype kDtype, fp8_format kFormat>
+// kPowerOfTwo: each scale rounded up to a power of two (scale_fmt "ue8m0"); a template
+// argument, since a flag read at run time made the float32 kernel spill at sm_80.
+template <fp8_float_dtype kDtype, fp8_format kFormat, bool kPowerOfTwo>
 __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(QuantizeArgs args, float* __restrict__ row_scales) {
   __shared__ float shared[kThreads / 32];
   const int64_t chunks = ceil_div(args.cols, chunk_size<kDtype>());
@@ -234,7 +243,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
       const int count = load_chunk(args, row, c, chunk);
       amax = chunk_amax(chunk, count, amax);
     }
-    const float scale = scale_from_amax<kFormat>(row_group_max(amax, shared));
+    float scale = scale_from_amax<kFormat>(row_group_max(amax, shared));
+    if (kPowerOfTwo) scale = power_of_two_ceil(scale);
     if (!active) continue;
     if (threadIdx.x == 0) row_scales[row] = scale;
 #pragma unroll
@@ -301,7 +311,7 @@ const char* fp8_cuda_quantize_static_launch(const fp8_quantize_params* p, const 
   });
 }
 
-const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales,
+const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales, int power_of_two,
                                                   cudaStream_t stream) {
   if (p->rows == 0 || p->cols == 0) return nullptr;
   const QuantizeArgs args = args_of(p);
@@ -310,7 +320,11 @@ const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, 
   return dispatch_dtype_format(p->x_dtype, p->format, [&](auto dtype, auto format) {
     constexpr fp8_float_dtype kDtype = decltype(dtype)::value;
     constexpr fp8_format kFormat = decltype(format)::value;
-    quantize_rows_dynamic_kernel<kDtype, kFormat><<<grid, block, 0, stream>>>(args, row_scales);
+    if (power_of_two) {
+      quantize_rows_dynamic_kernel<kDtype, kFormat, true><<<grid, block, 0, stream>>>(args, row_scales);
+    } else {
+      quantize_rows_dynamic_kernel<kDtype, kFormat, false><<<grid, block, 0, stream>>>(args, row_scales);
+    }
     return check_launch("quantize_rows_dynamic_kernel");
   });
 }
@@ -320,7 +334,7 @@ const char* fp8_cuda_quantize_tensor_dynamic_launch(const fp8_quantize_params* p
   if (p->rows == 0 || p->cols == 0) return nullptr;
   if (p->rows == 1 && p->cols <= kSingleBlockElements) {
     // One row: the per-row kernel's scale for that row is the tensor's scale.
-    return fp8_cuda_quantize_rows_dynamic_launch(p, scale_out, stream);
+    return fp8_cuda_quantize_rows_dynamic_launch(p, scale_out, 0, stream);
   }
   const cudaError_t status = cudaMemsetAsync(amax_scratch, 0, sizeof *amax_scratch, stream);
   if (status != cudaSuccess) return error_message("clearing the amax accumulator", status);
