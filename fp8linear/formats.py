@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .linear import FP8Config, FP8Linear
-from .ops import FP8_DTYPES
+from .ops import FP8_DTYPES, SCALE_FORMATS
 
 __all__ = ["CheckpointScheme", "compressed_tensors_config", "parse_quantization_config"]
 
@@ -216,6 +216,15 @@ def parse_quantization_config(config: dict, source: str = "config.json") -> Chec
                      f"{VLLM_FP8!r}, got {method!r}")
 
 
+def _scale_fmt(quantization: dict, source: str) -> str | None:
+    """The config's "scale_fmt" (DeepSeek's key; fp8linear writes it beside compressed-tensors'
+    groups too), checked: None or "ue8m0"."""
+    scale_fmt = quantization.get("scale_fmt")
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"{source}: scale_fmt {scale_fmt!r}: fp8linear knows 'ue8m0' (or none)")
+    return scale_fmt
+
+
 def _parse_compressed_tensors(quantization: dict, source: str) -> CheckpointScheme:
     if quantization.get("kv_cache_scheme"):
         raise ValueError(f"{source}: kv_cache_scheme is set; FP8Linear quantizes linear layers only")
@@ -223,9 +232,7 @@ def _parse_compressed_tensors(quantization: dict, source: str) -> CheckpointSche
         raise ValueError(f"{source}: quantization_status {quantization.get('quantization_status')!r}: "
                          "only compressed checkpoints (fp8 weights stored as fp8) can be loaded")
     model_format = quantization.get("format")
-    scale_fmt = quantization.get("scale_fmt")
-    if scale_fmt not in (None, "ue8m0"):
-        raise ValueError(f"{source}: scale_fmt {scale_fmt!r}: fp8linear knows 'ue8m0' (or none)")
+    scale_fmt = _scale_fmt(quantization, source)
     groups = []
     for group_name, group in (quantization.get("config_groups") or {}).items():
         if not isinstance(group, dict):
@@ -266,9 +273,7 @@ def _parse_vllm_fp8(quantization: dict, source: str) -> CheckpointScheme:
         # "scale_fmt": "ue8m0" (DeepSeek-V3.1 and later): with scales rounded up to powers of two,
         # as DeepSeek's inference code quantizes them for such checkpoints (the stored weight
         # scales are kept as they are, powers of two or not)
-        scale_fmt = quantization.get("scale_fmt")
-        if scale_fmt not in (None, "ue8m0"):
-            raise ValueError(f"{source}: scale_fmt {scale_fmt!r}: fp8linear knows 'ue8m0' (or none)")
+        scale_fmt = _scale_fmt(quantization, source)
         config = (FP8Config(weight_granularity="block", activation_granularity="group", scale_fmt=scale_fmt)
                   if scheme == "dynamic" else FP8Config(weight_granularity="block", activations="static", scale_fmt=scale_fmt))
     else:
