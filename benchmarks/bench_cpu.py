@@ -16,7 +16,7 @@ a plain read loop runs alternately with each M = 1 layer over the same weight by
 in the same moments.
 
 Writes benchmarks/results/cpu-FAMILY.md and .png (speedup over bf16 vs M), one pair per
-CPU family (cpu-intel-amx, cpu-amd-zen, ...: the header names the CPU model and flags),
+CPU family (cpu-intel-amx, cpu-amd-zen5, ...: the header names the CPU model and flags),
 so that a run on one CPU never overwrites another's results. A contender whose one
 call takes more than a few seconds (torch._scaled_mm on an Intel Xeon) is skipped
 with a note, so the run finishes on any CPU.
@@ -322,7 +322,7 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
     parser.add_argument("--name", default=None,
-                        help="results file name without suffix (default: cpu-FAMILY, e.g. cpu-intel-amx, cpu-amd-zen)")
+                        help="results file name without suffix (default: cpu-FAMILY, e.g. cpu-intel-amx, cpu-amd-zen5)")
     parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--extra-path", type=pathlib.Path, default=None,
                         help="a folder with torchao installed (make bench puts it in .venv/bench-extras)")

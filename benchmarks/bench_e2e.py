@@ -7,7 +7,7 @@ FP8 copy run in alternation, round after round, so that the host's drift (its me
 bandwidth moves by up to 2x within minutes) hits all of them alike; each figure is a
 median over rounds, and each ratio the median of the per-round ratios.
 
-Writes benchmarks/results/e2e-FAMILY.md (e2e-intel-amx, e2e-amd-zen, ...): one file per
+Writes benchmarks/results/e2e-FAMILY.md (e2e-intel-amx, e2e-amd-zen4, ...): one file per
 CPU family, so that a run on one CPU never replaces another's.
 
     python benchmarks/bench_e2e.py                # about 2 minutes on 2 cores

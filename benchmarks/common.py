@@ -24,10 +24,10 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512vbmi", "avx512
 def cpu_description() -> dict:
     """The CPU as /proc/cpuinfo names it: ``model``, ``vendor``, ``flags`` (those of
     CPU_FLAGS_OF_INTEREST it has) and ``family``, a short name for the results file:
-    ``intel-amx``, ``intel-avx512``, ``intel-avx2``, ``amd-zen`` (AVX-512), ``amd-zen-avx2``
+    ``intel-amx``, ``intel-avx512``, ``intel-avx2``, ``amd-zen4``, ``amd-zen5``, ``amd-zen-avx2``
     or the machine type. Results of different families are kept side by side (their
     bandwidth and multiply units differ 2-3x)."""
-    model, vendor, flags = platform.processor() or platform.machine(), "", set()
+    model, vendor, flags, cpu_family = platform.processor() or platform.machine(), "", set(), None
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = (part.strip() for part in line.partition(":"))
@@ -37,14 +37,21 @@ def cpu_description() -> dict:
                 vendor = value
             elif key == "flags" and not flags:
                 flags = set(value.split())
+            elif key == "cpu family" and cpu_family is None and value.isdigit():
+                cpu_family = int(value)
     except OSError:  # not Linux: the family falls back to the machine type
         pass
-    # The vector width decides which kernels run, so it splits a vendor's CPUs: Zen 4/5
-    # (AVX-512) keep the name amd-zen, a Zen 2/3 (AVX2 only) is amd-zen-avx2.
+    # The vector width decides which kernels run, so it splits a vendor's CPUs: a Zen 2/3
+    # (AVX2 only) is amd-zen-avx2. Zen 4 (family 0x19 with AVX-512) runs each 512-bit
+    # operation as two 256-bit halves and Zen 5 (family 0x1A) does not, so they are kept
+    # apart too: amd-zen4, amd-zen5 (amd-zen for a later AVX-512 family).
     if vendor == "GenuineIntel":
         family = "intel-amx" if "amx_tile" in flags else "intel-avx512" if "avx512f" in flags else "intel-avx2"
     elif vendor == "AuthenticAMD":
-        family = "amd-zen" if "avx512f" in flags else "amd-zen-avx2"
+        if "avx512f" not in flags:
+            family = "amd-zen-avx2"
+        else:
+            family = {0x19: "amd-zen4", 0x1A: "amd-zen5"}.get(cpu_family, "amd-zen")
     else:
         family = platform.machine().lower() or "cpu"
     return {"model": model, "vendor": vendor, "family": family,
