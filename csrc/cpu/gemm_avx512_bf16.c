@@ -447,42 +447,43 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
   widen64_store(t, row, k_left, dest); /* the step after the last one reads nothing */
 }
 
-/* Rows [m_begin, m_end): one group of at most 16, m_begin a multiple of 16 (the
- * plan's single row tile when M <= 16). */
-BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                      const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                      int64_t n_end) {
-  const widen_tables_t t = load_widen_tables(p->b_format);
-  const int64_t kp = plan->k_padded, k = p->k;
-  const uint32_t* group = packed + (m_begin / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
-  uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
-  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
-    const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
-    const uint8_t* rows[SKINNY_COLS];
-    for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
-      rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
-    /* The next 16 weight rows follow these in memory (16 x K bytes): one line of them is
-     * fetched into L2 per row widened, so that the next block starts without waiting on
-     * memory. With K = 576 a block is only 9 steps, and the first few of them stalled on
-     * the lines that the prefetch within rows had not reached (1536 x 576, M = 16:
-     * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
-    const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
-    int64_t next_line = 0;
-    for (int c = 0; c < SKINNY_COLS; ++c)
-      skinny_widen_row(&t, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
+/* 16 weight rows from n0 (`cols` of them real) against one group of 16 activation rows
+ * over all of K, their sums into `sums` ([column][16 rows]). Compiled once per BLOCKED:
+ * with the K-blocked branch inside the step loop, the compiler kept the 16 accumulators
+ * in memory and stored all of them after every two k-pairs (16 zmm stores per 32 dot
+ * products), which held the kernel near half the dot-product rate on an AMD EPYC Zen 4
+ * (M = 16, 512 x 4096 from cache, one thread: 0.12 TFLOP/s). */
+BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
+                                              const uint32_t* group, int64_t kp, int64_t m_begin, int64_t n0,
+                                              int64_t cols, uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP],
+                                              float* sums, const int BLOCKED) {
+  const int64_t k = p->k;
+  const uint8_t* rows[SKINNY_COLS];
+  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
+    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
+  /* The next 16 weight rows follow these in memory (16 x K bytes): one line of them is
+   * fetched into L2 per row widened, so that the next block starts without waiting on
+   * memory. With K = 576 a block is only 9 steps, and the first few of them stalled on
+   * the lines that the prefetch within rows had not reached (1536 x 576, M = 16:
+   * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
+  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
+  int64_t next_line = 0;
+  for (int c = 0; c < SKINNY_COLS; ++c)
+    skinny_widen_row(t, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
+  /* K-blocked scales: each block of 128 k is summed from zero, and its sums, scaled, join
+   * the totals kept in `sums` (in memory: 16 more registers would spill) */
+  const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
+  for (int64_t block0 = 0; block0 < kp; block0 += span) {
+    const int64_t block_end = kp - block0 < span ? kp : block0 + span;
     __m512 acc[SKINNY_COLS];
     for (int j = 0; j < SKINNY_COLS; ++j) acc[j] = _mm512_setzero_ps();
-    /* K-blocked scales: at the end of each block of 128 k its sums, scaled, join the
-     * totals kept in `sums` (in memory: 16 more registers would spill) */
-    const int blocked = fp8_k_blocked(p);
-    for (int64_t k0 = 0; k0 < kp; k0 += SKINNY_STEP) {
+    for (int64_t k0 = block0; k0 < block_end; k0 += SKINNY_STEP) {
       const int step = (int)((k0 / SKINNY_STEP) & 1);
       const uint32_t* panel = (const uint32_t*)panels[step];
       uint16_t* next = panels[step ^ 1];
       const uint32_t* a = group + (k0 / 2) * TILE_LANES;
       for (int c = 0; c < SKINNY_COLS; ++c) { /* 32 k-pairs: two per row of the next panel */
-        skinny_widen_row(&t, rows[c] + k0 + SKINNY_STEP, k - (k0 + SKINNY_STEP), next + c * SKINNY_STEP,
+        skinny_widen_row(t, rows[c] + k0 + SKINNY_STEP, k - (k0 + SKINNY_STEP), next + c * SKINNY_STEP,
                          next_block + 64 * next_line++);
         for (int half = 0; half < 2; ++half) {
           const int pair = 2 * c + half;
@@ -491,19 +492,42 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
             acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_set1_epi32((int)panel[j * (SKINNY_STEP / 2) + pair]));
         }
       }
-      if (blocked && ((k0 + SKINNY_STEP) % FP8_SCALE_BLOCK == 0 || k0 + SKINNY_STEP >= kp)) {
-        const int64_t kb = k0 / FP8_SCALE_BLOCK;
-        const __m512 scale_a = fp8_block_scale_a16(p, m_begin, kb);
-        for (int j = 0; j < SKINNY_COLS; ++j) {
-          const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
-          float* at = sums + j * TILE_LANES;
-          _mm512_store_ps(at, k0 < FP8_SCALE_BLOCK ? _mm512_mul_ps(acc[j], scale) : _mm512_fmadd_ps(acc[j], scale, _mm512_load_ps(at)));
-          acc[j] = _mm512_setzero_ps();
-        }
-      }
     }
-    if (!blocked)
+    if (!BLOCKED) {
       for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
+      continue;
+    }
+    /* the block's sums go through memory before they are scaled: computed beside the live
+     * accumulators, the scales took registers enough that the compiler kept the
+     * accumulators in memory inside the step loop */
+    float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
+    for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
+    const int64_t kb = block0 / FP8_SCALE_BLOCK;
+    const __m512 scale_a = fp8_block_scale_a16(p, m_begin, kb);
+    for (int j = 0; j < SKINNY_COLS; ++j) {
+      const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
+      const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
+      float* at = sums + j * TILE_LANES;
+      _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
+    }
+  }
+}
+
+/* Rows [m_begin, m_end): one group of at most 16, m_begin a multiple of 16 (the
+ * plan's single row tile when M <= 16). */
+BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                      const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
+                                      int64_t n_end) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded;
+  const uint32_t* group = packed + (m_begin / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
+  uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
+  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
+  const int blocked = fp8_k_blocked(p);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
+    const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
+    if (blocked) skinny_columns(p, &t, group, kp, m_begin, n0, cols, panels, sums, 1);
+    else skinny_columns(p, &t, group, kp, m_begin, n0, cols, panels, sums, 0);
     fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m_begin, m_end, n0, cols);
   }
 }
