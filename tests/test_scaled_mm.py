@@ -33,15 +33,16 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("m", [9, 16, 33, 64])
 @pytest.mark.parametrize("k", [1, 63, 64, 65, 1025])
 @pytest.mark.parametrize("n", [1, 15, 17, 33])
 def test_skinny_kernel_tails(m, k, n, cpu_variant):
-    # 9..16 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64
+    # 9..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64,
+    # each group of 16 rows in turn (33: a last group of one row)
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny | tile; 777: several row chunks
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny (<= 64) | tile; 777: several row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
@@ -50,14 +51,14 @@ def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
 @pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("m", [13, 19])  # the skinny and tile kernels
+@pytest.mark.parametrize("m", [13, 19, 70])  # the skinny kernel (one group, two) and the tile kernel
 def test_formats_dtypes_and_scales(a_dtype, b_dtype, out_dtype, per_row, m, cpu_variant):
     _check(*_operands(m, 130, 37, a_dtype, b_dtype, per_row), out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("m", [5, 13, 40])  # the dot, skinny and tile kernels
+@pytest.mark.parametrize("m", [5, 13, 70])  # the dot, skinny and tile kernels
 def test_bias(bias_dtype, out_dtype, m, cpu_variant):
     bias = torch.randn(37).to(bias_dtype)
     _check(*_operands(m, 64, 37), bias=bias, out_dtype=out_dtype)
@@ -153,7 +154,7 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("m", [7, 9, 40, 90])  # the dot (M <= 8), skinny (9..16) and tile kernels
+@pytest.mark.parametrize("m", [7, 9, 40, 90])  # the dot (M <= 8), skinny (9..64) and tile kernels
 # (K mod 64 = 13, 36, 32: rows widened 64 k at a time, the last ones partly)
 @pytest.mark.parametrize("k", [77, 100, 96])
 @pytest.mark.parametrize("strided", [False, True])

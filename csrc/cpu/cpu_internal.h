@@ -67,6 +67,10 @@ static inline void fp8_store_dot_sum(const fp8_scaled_mm_params* p, int64_t m, i
 /* Bytes fp8_cpu_scaled_mm_fold (fold_scales.c) may write at plan->fold_offset. */
 int64_t fp8_cpu_fold_bytes(const fp8_scaled_mm_params* p);
 
+/* Up to this many (padded) activation rows the AVX512-BF16 variant runs its skinny
+ * kernel (16 weight rows at a time, the plan's tile_n), above it the tile kernel. */
+enum { FP8_BF16_SKINNY_MAX_ROWS = 64 };
+
 /* The AVX512-BF16 kernels (gemm_avx512_bf16.c); scratch: fp8_bf16_scratch_bytes per thread. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,

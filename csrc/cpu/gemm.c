@@ -87,7 +87,7 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
 /* Up to this many activation rows the dot kernel (one pass over the weights,
  * every row against every weight row) beats packing for the tile kernels; its
  * cost grows with M (each weight is widened again for every 4 rows) while the
- * skinny kernel's (M <= 16: one group of 16 rows) does not. 2 threads, ms per call
+ * skinny kernel's (9 <= M <= 16: one group of 16 rows) does not. 2 threads, ms per call
  * dot / skinny, 4096 x 4096: M = 8 0.57 / 0.65, M = 9 0.68 / 0.66, M = 10 0.71 / 0.66;
  * 1536 x 576: M = 8 0.043 / 0.046, M = 9 0.051 / 0.044. */
 enum { DOT_MAX_ROWS = 8 };
@@ -136,7 +136,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* all rows per tile; the bindings split M too when N alone does not even out */
-      plan.tile_n = plan.m_padded == 16 ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
+      plan.tile_n = plan.m_padded <= FP8_BF16_SKINNY_MAX_ROWS ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
     plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);

@@ -15,9 +15,9 @@
  *   buffer and reuse it for a chunk of up to 384 rows (widened again per chunk and
  *   per row tile, 1/384 of the work or less); activations are packed so that one
  *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
- * - skinny kernel (9 <= M <= 16): the tile kernel's data layout for one group of
- *   16 rows, with the widening of the next small panel interleaved with the dot
- *   products of the current one.
+ * - skinny kernel (9 <= M <= 64): the tile kernel's data layout for one group of
+ *   16 rows at a time, with the widening of the next small panel interleaved with
+ *   the dot products of the current one.
  * On this Zen 5 the widening shuffles and the dot products compete for the same
  * vector pipes (widen64 alone: ~2.7 cycles; in a phase of its own beside the dot
  * products it adds as much), so the kernels are shaped to widen each weight as few
@@ -430,14 +430,20 @@ BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu
                      n_end);
 }
 
-/* ---- skinny kernel (one group of 16 activation rows) ----------------------- */
+/* ---- skinny kernel (groups of 16 activation rows, up to 64 rows) ----------- */
 
 /* Weight rows 16 at a time, over all of K in steps of 64: the 16 x 64 bf16 panel
  * of the next step is widened while the dot products of this one run (one row of
  * it every two k-pairs, in L1), so the shuffles of the widening fill gaps among
  * the dot products instead of stalling them in a phase of their own; the 16 x 16
  * sums stay in registers for all of K. The tile kernel, which widens 64 x 256
- * panels between its register tiles, spent ~30% of its time widening at M = 16. */
+ * panels between its register tiles, spent ~30% of its time widening at M = 16.
+ * Up to 4 groups of 16 rows take it in turn, each widening the 16 weight rows again:
+ * scaled_mm, 14336 x 4096, 2 threads, AMD EPYC Zen 4, three alternated rounds, tile
+ * kernel vs this: M = 48 0.32-0.33 vs 0.38-0.41 TFLOP/s, M = 64 0.35-0.36 vs 0.39-0.42
+ * (the tile kernel's 2 x 8 register tiles at M = 64 and this one's 1 x 16 both run
+ * at the dot products' rate from L1 there; the tile kernel loses on its panel and
+ * sums traffic). */
 enum { SKINNY_COLS = 16, SKINNY_STEP = 64, SKINNY_PREFETCH = 256 };
 
 BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const uint8_t* row, int64_t k_left,
@@ -513,22 +519,26 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
   }
 }
 
-/* Rows [m_begin, m_end): one group of at most 16, m_begin a multiple of 16 (the
- * plan's single row tile when M <= 16). */
+/* Rows [m_begin, m_end), m_begin a multiple of 16: for each 16 weight rows, every group
+ * of 16 activation rows in turn (the weight rows read from memory once, from L1/L2 for
+ * the groups after the first, and widened again per group between dot products). */
 BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                       const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
                                       int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
-  const uint32_t* group = packed + (m_begin / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
   uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
   float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
   const int blocked = fp8_k_blocked(p);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
     const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
-    if (blocked) skinny_columns(p, &t, group, kp, m_begin, n0, cols, panels, sums, 1);
-    else skinny_columns(p, &t, group, kp, m_begin, n0, cols, panels, sums, 0);
-    fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m_begin, m_end, n0, cols);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES) {
+      const uint32_t* group = packed + (m0 / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
+      if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1);
+      else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0);
+      fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m0, m_end - m0 < TILE_LANES ? m_end : m0 + TILE_LANES,
+                             n0, cols);
+    }
   }
 }
 
@@ -562,7 +572,7 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   fp8_bf16_build_widen_tables();
   if (plan->method == FP8_MM_BF16_DOT) {
     dot_kernel(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
-  } else if (plan->m_padded == TILE_LANES) {
+  } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
     skinny_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else {
     tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
