@@ -132,7 +132,7 @@ BF16_TARGET ALWAYS_INLINE void store_row16(const fp8_scaled_mm_params* p, int64_
  * 16 columns at a time (sum16_vectors). */
 BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                          const uint16_t* activations, int64_t k_padded, int64_t m0, int64_t n0,
-                                         int prefetch_l2, float* partials, const int ROWS, const int COLS,
+                                         float* partials, const int ROWS, const int COLS,
                                          const int BLOCKED) {
   /* With few (row, column) pairs, one accumulator each would chain every dot product
    * on the previous one's latency; the two halves of each 64-k step then get their
@@ -166,13 +166,15 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
        * 47% of the read probe without, 81% with). One row at a time reads a single
        * stream: 8 KiB ahead in it; several rows: the same bytes two blocks ahead. A
        * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB.
-       * `prefetch_l2` (Intel Xeons with AMX), one row of one activation row: 6 KiB ahead
-       * with prefetcht2 (into L2; prefetcht1 measured about the same) instead, presumably
-       * because a prefetch into L1 holds one of L1's few miss buffers per line all the
-       * way from memory. FP8Linear, 2 threads, M = 1, % of the read probe: 4096 x 4096
+       * One row of one activation row (M = 1): 6 KiB ahead with prefetcht2 (into L2;
+       * prefetcht1 measured about the same) instead, presumably because a prefetch into
+       * L1 holds one of L1's few miss buffers per line all the way from memory.
+       * FP8Linear, 2 threads, M = 1, % of the read probe, Intel Xeon with AMX: 4096 x 4096
        * 71 -> 82, 14336 x 4096 84 -> 90, 1536 x 576 90 -> 99; 4096 x 14336 unchanged; at
-       * M = 2 it was 5% slower. */
-      if (ROWS == 1 && COLS == 1 && prefetch_l2) {
+       * M = 2 it was 5% slower. scaled_mm, AMD EPYC Zen 4, 2 threads, two alternated
+       * rounds: 4096 x 14336 69-73 -> 95-100, 14336 x 4096 91-96 -> 106-107, 4096 x 4096
+       * 88-93 -> 92-103. (Not measured on a Zen 5, which ran 87-95% with the L1 prefetch.) */
+      if (ROWS == 1 && COLS == 1) {
         _mm_prefetch((const char*)(weight_rows[c] + k0 + 6144), _MM_HINT_T2);
       } else {
         const int64_t ahead = COLS == 1 ? k0 + 8192 : 2 * COLS * p->b_col_stride + k0;
@@ -227,8 +229,8 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
  * 2 threads, M = 1: 47 vs 34 GB/s; M = 4: 41 vs 36). */
 #define DOT_CASE(ROWS, COLS, PARTIALS)                                                          \
   case ROWS:                                                                                    \
-    if (blocked) dot_block(p, &t, activations, kp, m0, n, prefetch_l2, PARTIALS, ROWS, COLS, 1); \
-    else dot_block(p, &t, activations, kp, m0, n, prefetch_l2, PARTIALS, ROWS, COLS, 0);         \
+    if (blocked) dot_block(p, &t, activations, kp, m0, n, PARTIALS, ROWS, COLS, 1);         \
+    else dot_block(p, &t, activations, kp, m0, n, PARTIALS, ROWS, COLS, 0);                 \
     break;
 #define DOT_ROW_BLOCKS(COLS, PARTIALS)                                                                       \
   for (int64_t m0 = m_begin; m0 < m_end; m0 += 4) {                                                          \
@@ -246,7 +248,6 @@ BF16_TARGET static void dot_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   const int blocked = fp8_k_blocked(p);
-  const int prefetch_l2 = plan->variant == FP8_CPU_AMX; /* see dot_block; not measured on other CPUs */
   int64_t n = n_begin;
   /* 2-4 rows of a long K: their widened activations (2 bytes per k and row) no longer
    * fit in half of L1 and would stream from L2 once per weight row; four weight rows at
