@@ -52,7 +52,7 @@ typedef struct {
   int64_t scale_a_row_stride;
   int64_t scale_b_k_stride, scale_b_n_stride;
   /* Block scales folded into the operands (fp8_cpu_scaled_mm_fold: the CPU AMX kernels
-   * only; NULL everywhere else): the widened bf16 values of a's row m in block
+   * and the AVX512-BF16 skinny and tile kernels only; NULL everywhere else): the widened bf16 values of a's row m in block
    * kb of 128 k are multiplied by 2^fold_a[m * fold_k_blocks + kb], b's weight row n by
    * 2^fold_b[(n / 128) * fold_k_blocks + kb] (exponent offsets in [-FP8_FOLD_MAX_SHIFT, 0],
    * exact in bf16), and the call is no longer K-blocked: the per-row / per-column scales
@@ -160,7 +160,7 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
  * or more stay normal in bf16, and their products in float32), each output is one float32
  * sum over all of K, and c_m * c_n scales it once at the end, as a per-token, per-channel
  * call: the AMX kernels then keep their C tiles over all of K instead of storing and
- * adding them, scaled, every 128 k. Products exact, float32 sums in another order: the
+ * adding them, scaled, every 128 k (and the AVX512-BF16 ones their register tiles). Products exact, float32 sums in another order: the
  * same contract. If the plan allows it (fold_offset >= 0) and the scales qualify, writes
  * the folded call's scales and exponent tables into workspace + plan->fold_offset, sets
  * *folded and returns 1; else returns 0 and the call runs K-blocked. Before prepare. */

@@ -268,17 +268,28 @@ def plan(a, b, scale_a, scale_b):
     return fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)
 
 
-AMX_VARIANTS = {"amx", "amx_emulated"}
+# the variants whose kernels fold power-of-two block scales into the operands, and the
+# kernel that does it (on AVX512-BF16 the skinny and tile kernels, M > 8)
+FOLDING = {"amx": "amx", "amx_emulated": "amx", "avx512_bf16": "bf16_tile"}
 
 
-# the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel, partial
-# blocks of k and of weight rows
+def folding_plan(variant, m):
+    """What cpu_scaled_mm_plan says for foldable scales at M = m (m > 4), or None."""
+    if variant not in FOLDING:
+        return None
+    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 8 else (FOLDING[variant], True)
+
+
+# AMX: the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel;
+# AVX512-BF16: the dot kernel (M <= 8: not folded), the skinny kernel (M <= 64) and the
+# tile kernel; partial blocks of k and of weight rows
 @pytest.mark.parametrize("m, k, n", [(5, 300, 200), (40, 1000, 150), (64, 2200, 40), (65, 300, 200), (100, 129, 128),
                                      (300, 2000, 130), (100, 2200, 70), (600, 700, 300)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
-def test_power_of_two_block_scales_fold_on_amx(m, k, n, out_dtype, cpu_variant):
+def test_power_of_two_block_scales_fold(m, k, n, out_dtype, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, k, n)
-    assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", True) or cpu_variant not in AMX_VARIANTS
+    expected = folding_plan(cpu_variant, m)
+    assert expected is None or plan(a, w.t(), scale_a, scale_w.t()) == expected
     bias = torch.randn(n)
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=out_dtype)
     exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t(), bias=bias)
@@ -287,10 +298,10 @@ def test_power_of_two_block_scales_fold_on_amx(m, k, n, out_dtype, cpu_variant):
 
 @pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
 @pytest.mark.parametrize("significand", [1.0, 1.37])
-@pytest.mark.parametrize("m", [40, 100])  # the stream kernel (shifted tables per step), the full-K kernel
+@pytest.mark.parametrize("m", [40, 100])  # shifted tables per step (AMX stream, skinny), per panel (full-K, tile)
 def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtype, significand, m, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, 300, 140, a_dtype, b_dtype, significand)
-    assert plan(a, w.t(), scale_a, scale_w.t())[1] == (cpu_variant in AMX_VARIANTS)
+    assert plan(a, w.t(), scale_a, scale_w.t())[1] == (cpu_variant in FOLDING)
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
     assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
 
@@ -298,7 +309,7 @@ def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtyp
 def test_folded_scales_spanning_2_to_the_32():
     # within a row, scales 2^-32 apart still fold and stay exact (normal bf16 and float32
     # values, e5m2 included); 2^-33 apart they are summed block by block instead
-    for variant in AMX_VARIANTS & set(fp8linear.ops.native().cpu_variants_supported()):
+    for variant in set(FOLDING) & set(fp8linear.ops.native().cpu_variants_supported()):
         with forced_cpu_variant(variant):
             for shift, folds, m in ((32, True, 80), (32, True, 48), (33, False, 80)):
                 for dtype in FP8_DTYPES:
@@ -306,7 +317,7 @@ def test_folded_scales_spanning_2_to_the_32():
                     scale_a, scale_w = scale_a.clone(), scale_w.clone()
                     scale_a[:, 1] = scale_a.amax(dim=1) * 2.0**-shift  # the row's smallest, `shift` below its largest
                     scale_w[1, 2] = scale_w[1].amin() * 2.0**shift  # this block row's largest
-                    assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", folds)
+                    assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant], folds)
                     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
                     exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
                     assert relative_error(out, exact) <= 1e-5
@@ -331,8 +342,8 @@ def test_common_factors_that_would_overflow_do_not_fold():
     assert scale_a.shape == (100, k_blocks)
     for variant in fp8linear.ops.native().cpu_variants_supported():
         with forced_cpu_variant(variant):
-            if variant in AMX_VARIANTS:
-                assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", False)
+            if variant in FOLDING:
+                assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant], False)
             out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
             assert torch.equal(out, torch.full((100, 128), 2.0**116))  # 256 products of 2^-12, times 2^120
     with pytest.raises(ValueError, match="needs CPU tensors"):
@@ -344,12 +355,13 @@ def test_scales_that_do_not_fold():
     mixed_a, mixed_w = scale_a.clone(), scale_w.clone()
     mixed_a[7, 2] *= 1.5  # one row's significands differ
     mixed_w[1, 0] *= 0.75  # one block row's do
-    for variant in AMX_VARIANTS & set(fp8linear.ops.native().cpu_variants_supported()):
+    for variant in set(FOLDING) & set(fp8linear.ops.native().cpu_variants_supported()):
         with forced_cpu_variant(variant):
-            assert plan(a, w.t(), scale_a, scale_w.t()) == ("amx", True)
-            assert plan(a, w.t(), mixed_a, scale_w.t()) == ("amx", False)
-            assert plan(a, w.t(), scale_a, mixed_w.t()) == ("amx", False)
-            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == ("amx", True)  # the stream kernel's M
+            method = FOLDING[variant]
+            assert plan(a, w.t(), scale_a, scale_w.t()) == (method, True)
+            assert plan(a, w.t(), mixed_a, scale_w.t()) == (method, False)
+            assert plan(a, w.t(), scale_a, mixed_w.t()) == (method, False)
+            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == (method, True)  # the stream / skinny kernel's M
             assert plan(a[:1], w.t(), scale_a[:1], scale_w.t()) == ("bf16_dot", False)  # decode: the dot kernel
             for sa, sw in ((mixed_a, scale_w), (scale_a, mixed_w)):
                 out = fp8linear.scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.float32)
@@ -365,7 +377,7 @@ def test_one_folded_scale_beside_a_per_token_or_per_channel_one(cpu_variant):
     for args in ((a, w.t(), scale_a, weight_rows), (a, w.t(), tokens, scale_w.t()), (x, w.t(), one, scale_w.t())):
         # weight-only calls (bf16 x) keep their blocks: shifted weights would raise the
         # tiles' 2^-126 floor for products with bf16 activations
-        assert plan(*args)[1] == (cpu_variant in AMX_VARIANTS and args[0] is not x)
+        assert plan(*args)[1] == (cpu_variant in FOLDING and args[0] is not x)
         out = fp8linear.scaled_mm(*args, out_dtype=torch.float32)
         assert relative_error(out, reference.scaled_mm_float64(*args)) <= 1e-5
 
@@ -495,10 +507,11 @@ def test_block_layer_matches_its_dequantized_weights(options, shape, dtype):
     assert relative_error(out.float(), linear(x).double()) <= 0.08
 
 
-def test_ue8m0_layers_fold_on_amx_and_take_every_path():
+def test_ue8m0_layers_fold_and_take_every_path():
     # FP8Linear with scale_fmt "ue8m0": both the native fast path (fp8linear::linear's
     # granularity 3 and the reuse of a shared input's quantization) and the full path give
-    # what the ops give; on the AMX variants the product folds its scales
+    # what the ops give; on the AMX and AVX512-BF16 variants the product folds its scales
+    # (above the dot kernel's M)
     config = fp8linear.FP8Config(weight_granularity="block", activation_granularity="group", scale_fmt="ue8m0")
     assert "ue8m0" in config.describe()
     layer = fp8linear.FP8Linear.from_linear(torch.nn.Linear(300, 260), config=config)
@@ -517,7 +530,8 @@ def test_ue8m0_layers_fold_on_amx_and_take_every_path():
                     full = layer(x.clone().requires_grad_())  # the full path (autograd)
                 assert torch.equal(full.detach(), expected)
                 method, folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())
-                assert folded == (method == "amx") and (method == "amx") == (variant in AMX_VARIANTS and rows > 4)
+                expected = folding_plan(variant, rows) if rows > 4 else None
+                assert (method, folded) == expected or (expected is None and not folded)
     with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for block-wise weights"):
         fp8linear.FP8Config(weight_granularity="channel", scale_fmt="ue8m0")
     with pytest.raises(ValueError, match="scale_fmt must be one of"):

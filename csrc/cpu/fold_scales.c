@@ -52,7 +52,7 @@ static float largest(const float* scales, int64_t step, int64_t count) {
 
 int fp8_cpu_scaled_mm_fold(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                            fp8_scaled_mm_params* folded) {
-  /* Float activations (weight-only) are not folded: the AMX unit flushes products below
+  /* Float activations (weight-only) are not folded: tdpbf16ps and vdpbf16ps flush products below
    * 2^-126, and a weight block shifted by 2^-32 would move that threshold for x * w up to
    * 2^-94, where bf16 activations can reach (fp8 ones cannot: their products are >= 2^-32). */
   if (plan->fold_offset < 0 || !fp8_k_blocked(p) || p->a_is_float) return 0;

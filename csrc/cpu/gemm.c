@@ -147,9 +147,12 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
      * widens each weight for fewer rows, shifts its widening tables once per step instead
      * of each value: scaled_mm, 2 threads, Intel Xeon with AMX, over per-channel, medians
      * of 11 alternated rounds, M = 16-64: 0.94-1.07 (K-blocked 0.97-1.38; with the
-     * exponent added to each widened value 1.00-1.21). The dot kernels and the AVX2 ones
-     * keep their per-block sums. */
-    if (plan.method == FP8_MM_AMX && fp8_k_blocked(p)) {
+     * exponent added to each widened value 1.00-1.21). The AVX512-BF16 skinny and tile
+     * kernels fold the same way (shifted tables per step of 16 rows x 64 k, and per 128 k
+     * of a 64-row panel): FP8Linear, block ue8m0 over per-channel, 2 threads, AMD EPYC
+     * Zen 4, one run (bench_cpu.py): M = 64 1.01-1.14 -> 1.02-1.05, M = 256 1.11-1.14 ->
+     * 1.01-1.03. The dot kernels and the AVX2 ones keep their per-block sums. */
+    if ((plan.method == FP8_MM_AMX || plan.method == FP8_MM_BF16_TILE) && fp8_k_blocked(p)) {
       plan.fold_offset = round_up(plan.workspace_bytes, 64);
       plan.workspace_bytes = plan.fold_offset + fp8_cpu_fold_bytes(p);
     }

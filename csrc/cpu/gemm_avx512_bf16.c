@@ -347,15 +347,29 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
 }
 
 /* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block), widened into `panel`
- * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero). */
+ * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero). Folded block scales
+ * (p->fold_b): the panel's rows lie in one block of 128 weight rows (n0 is a multiple of
+ * 64), so one set of shifted tables serves each 128 k of them. */
 BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t n0,
                                            int64_t cols, int64_t k0, int64_t k_block, uint16_t* panel) {
-  for (int64_t c = 0; c < TILE_PANEL_COLS; ++c) {
-    uint16_t* dest = panel + c * k_block;
-    if (c >= cols) {
-      memset(dest, 0, sizeof(uint16_t) * (size_t)k_block);
-      continue;
+  for (int64_t c = cols; c < TILE_PANEL_COLS; ++c) memset(panel + c * k_block, 0, sizeof(uint16_t) * (size_t)k_block);
+  if (p->fold_b) {
+    const int8_t* shifts = p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks;
+    for (int64_t kb0 = 0; kb0 < k_block; kb0 += FP8_SCALE_BLOCK) { /* k0: a multiple of 256 */
+      const widen_tables_t shifted = shifted_tables(t, p->b_format, shifts[(k0 + kb0) / FP8_SCALE_BLOCK]);
+      const int64_t kb1 = k_block - kb0 < FP8_SCALE_BLOCK ? k_block : kb0 + FP8_SCALE_BLOCK;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+        for (int64_t kk = kb0; kk < kb1; kk += 64) {
+          _mm_prefetch((const char*)(row + k0 + kk + TILE_K_BLOCK), _MM_HINT_T0);
+          widen64_store(&shifted, row + k0 + kk, p->k - (k0 + kk), panel + c * k_block + kk);
+        }
+      }
     }
+    return;
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    uint16_t* dest = panel + c * k_block;
     const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
     for (int64_t kk = 0; kk < k_block; kk += 64) {
       /* the same row's next block: 64 rows x 4 lines at a time are more streams than
@@ -475,8 +489,12 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
    * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
   const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
   int64_t next_line = 0;
+  /* folded block scales (p->fold_b): the 16 rows and each step's 64 k lie in one block of
+   * 128 x 128, so each step widens through one set of shifted tables */
+  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
+  const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
   for (int c = 0; c < SKINNY_COLS; ++c)
-    skinny_widen_row(t, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
+    skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
   /* K-blocked scales: each block of 128 k is summed from zero, and its sums, scaled, join
    * the totals kept in `sums` (in memory: 16 more registers would spill) */
   const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
@@ -489,9 +507,11 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
       const uint32_t* panel = (const uint32_t*)panels[step];
       uint16_t* next = panels[step ^ 1];
       const uint32_t* a = group + (k0 / 2) * TILE_LANES;
+      const int64_t next_k = k0 + SKINNY_STEP;
+      const widen_tables_t tables =
+          shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
       for (int c = 0; c < SKINNY_COLS; ++c) { /* 32 k-pairs: two per row of the next panel */
-        skinny_widen_row(t, rows[c] + k0 + SKINNY_STEP, k - (k0 + SKINNY_STEP), next + c * SKINNY_STEP,
-                         next_block + 64 * next_line++);
+        skinny_widen_row(&tables, rows[c] + next_k, k - next_k, next + c * SKINNY_STEP, next_block + 64 * next_line++);
         for (int half = 0; half < 2; ++half) {
           const int pair = 2 * c + half;
           const __m512bh av = (__m512bh)_mm512_load_si512(a + pair * TILE_LANES);
