@@ -313,15 +313,16 @@ BF16_TARGET static void pack_activation_group(const fp8_scaled_mm_params* p, con
  * VECTORS * TILE_COLS dot products (24 with 3 vectors: 11 loads per 24). */
 BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t group_stride, const uint32_t* panel,
                                           int64_t panel_stride, int64_t pairs, float* sums, int64_t sums_stride,
-                                          int first, const fp8_scaled_mm_params* p, int64_t m_first, int64_t n_first,
-                                          int64_t kb, const int VECTORS, const int COLS) {
-  /* K-blocked calls: the panel is one block of 128 k, summed from zero and added into
-   * the sums with its scales */
-  const int blocked = fp8_k_blocked(p);
+                                          int first, const fp8_scaled_mm_params* p, const __m512* scale_rows,
+                                          int64_t n_first, int64_t kb, const int VECTORS, const int COLS,
+                                          const int BLOCKED) {
+  /* K-blocked calls: the pairs are one block of 128 k (or its end), summed from zero and
+   * added into the sums with its scales (scale_rows[v]: scale_a of vector v's 16 rows in
+   * block kb) */
   __m512 acc[TILE_VECTORS][16];
   for (int v = 0; v < VECTORS; ++v)
     for (int j = 0; j < COLS; ++j)
-      acc[v][j] = first || blocked ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + j * sums_stride + v * TILE_LANES);
+      acc[v][j] = first || BLOCKED ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + j * sums_stride + v * TILE_LANES);
   for (int64_t pair = 0; pair < pairs; ++pair) {
     __m512bh a[TILE_VECTORS];
     for (int v = 0; v < VECTORS; ++v)
@@ -331,11 +332,11 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
       for (int v = 0; v < VECTORS; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], a[v], b);
     }
   }
-  if (blocked) {
-    for (int v = 0; v < VECTORS; ++v) {
-      const __m512 scale_a = fp8_block_scale_a16(p, m_first + v * TILE_LANES, kb);
-      for (int j = 0; j < COLS; ++j) {
-        const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n_first + j, kb)));
+  if (BLOCKED) {
+    for (int j = 0; j < COLS; ++j) {
+      const __m512 scale_b = _mm512_set1_ps(fp8_block_scale_b(p, n_first + j, kb));
+      for (int v = 0; v < VECTORS; ++v) {
+        const __m512 scale = _mm512_mul_ps(scale_rows[v], scale_b);
         float* at = sums + j * sums_stride + v * TILE_LANES;
         _mm512_storeu_ps(at, first ? _mm512_mul_ps(acc[v][j], scale) : _mm512_fmadd_ps(acc[v][j], scale, _mm512_loadu_ps(at)));
       }
@@ -344,6 +345,52 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
   }
   for (int v = 0; v < VECTORS; ++v)
     for (int j = 0; j < COLS; ++j) _mm512_storeu_ps(sums + j * sums_stride + v * TILE_LANES, acc[v][j]);
+}
+
+/* The register tiles of `vectors` groups of 16 rows (packed activations at `activations`)
+ * against the panel's `cols` weight rows, over its `pairs` k-pairs: 16 columns per tile,
+ * as 2 x 8 for 2 or 3 vectors (up to 24 accumulators), at once for 1. Compiled once per
+ * BLOCKED, as the skinny kernel's step loop (a K-blocked branch inside it can cost the
+ * accumulators their registers). */
+BF16_TARGET ALWAYS_INLINE void tile_row_tiles(const uint32_t* activations, int64_t group_stride, const uint16_t* panel,
+                                              int64_t k_block, int64_t cols, float* sums, int64_t rows, int first,
+                                              const fp8_scaled_mm_params* p, const __m512* scale_rows, int64_t n0,
+                                              int64_t kb, int vectors, const int BLOCKED) {
+  const int64_t panel_pairs = k_block / 2;
+  /* K-blocked: each block of 128 k of the panel summed on its own (scale_rows: TILE_VECTORS
+   * per block) */
+  const int64_t step_pairs = BLOCKED ? FP8_SCALE_BLOCK / 2 : panel_pairs;
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const uint32_t* panel_cols = (const uint32_t*)(panel + c0 * k_block);
+    float* tile_sums = sums + c0 * rows;
+    const int64_t n_first = n0 + c0;
+    for (int64_t pair0 = 0; pair0 < panel_pairs; pair0 += step_pairs) {
+      const int pairs = (int)(panel_pairs - pair0 < step_pairs ? panel_pairs - pair0 : step_pairs);
+      const uint32_t* a = activations + pair0 * TILE_LANES;
+      const uint32_t* b = panel_cols + pair0;
+      const int first_step = first && pair0 == 0;
+      const int64_t step_kb = kb + pair0 / (FP8_SCALE_BLOCK / 2);
+      const __m512* scales = BLOCKED ? scale_rows + (pair0 / (FP8_SCALE_BLOCK / 2)) * TILE_VECTORS : NULL;
+      switch (vectors) {
+        case 3:
+          tile_block(a, group_stride, b, panel_pairs, pairs, tile_sums, rows, first_step, p, scales, n_first, step_kb,
+                     3, 8, BLOCKED);
+          tile_block(a, group_stride, b + 8 * panel_pairs, panel_pairs, pairs, tile_sums + 8 * rows, rows, first_step,
+                     p, scales, n_first + 8, step_kb, 3, 8, BLOCKED);
+          break;
+        case 2:
+          tile_block(a, group_stride, b, panel_pairs, pairs, tile_sums, rows, first_step, p, scales, n_first, step_kb,
+                     2, 8, BLOCKED);
+          tile_block(a, group_stride, b + 8 * panel_pairs, panel_pairs, pairs, tile_sums + 8 * rows, rows, first_step,
+                     p, scales, n_first + 8, step_kb, 2, 8, BLOCKED);
+          break;
+        default:
+          tile_block(a, group_stride, b, panel_pairs, pairs, tile_sums, rows, first_step, p, scales, n_first, step_kb,
+                     1, 16, BLOCKED);
+          break;
+      }
+    }
+  }
 }
 
 /* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block), widened into `panel`
@@ -390,8 +437,8 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
   const int64_t rows = ((m_end - m_begin + TILE_LANES - 1) / TILE_LANES) * TILE_LANES;
   uint16_t* panel = (uint16_t*)scratch;
   float* sums = (float*)(scratch + TILE_PANEL_BYTES);
-  /* K-blocked scales: panels of one block of 128 k each, so that each is summed alone */
-  const int64_t panel_k = fp8_k_blocked(p) ? (int64_t)FP8_SCALE_BLOCK : (int64_t)TILE_K_BLOCK;
+  const int blocked = fp8_k_blocked(p);
+  const int64_t panel_k = TILE_K_BLOCK;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_PANEL_COLS) {
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
     for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
@@ -403,28 +450,20 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
          * rather than 3 + 1, since a 1-vector tile is bound by its broadcasts. */
         const int64_t groups_left = (rows - r0) / TILE_LANES;
         const int vectors = groups_left == 1 ? 1 : (groups_left == 2 || groups_left == 4) ? 2 : 3;
-        const int pairs = (int)(k_block / 2);
-        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-          const uint32_t* panel_cols = (const uint32_t*)(panel + c0 * k_block);
-          float* tile_sums = sums + c0 * rows + r0;
-          const int first = k0 == 0;
-          const int64_t m_first = m_begin + r0, n_first = n0 + c0, kb = k0 / FP8_SCALE_BLOCK;
-          /* 16 columns per tile: as 2 x 8 for 3 vectors (24 accumulators), at once for 1 */
-          switch (vectors) {
-            case 3:
-              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 3, 8);
-              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first,
-                         p, m_first, n_first + 8, kb, 3, 8);
-              break;
-            case 2:
-              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 2, 8);
-              tile_block(activations, group_stride, panel_cols + 8 * pairs, pairs, pairs, tile_sums + 8 * rows, rows, first,
-                         p, m_first, n_first + 8, kb, 2, 8);
-              break;
-            default:
-              tile_block(activations, group_stride, panel_cols, pairs, pairs, tile_sums, rows, first, p, m_first, n_first, kb, 1, 16);
-              break;
-          }
+        const int first = k0 == 0;
+        const int64_t kb = k0 / FP8_SCALE_BLOCK;
+        if (blocked) {
+          /* the rows' scales for this block, once for all the panel's columns (a gather per
+           * vector and tile of 8 columns took ~5% of the time at M = 256) */
+          __m512 scale_rows[TILE_K_BLOCK / FP8_SCALE_BLOCK * TILE_VECTORS];
+          for (int64_t step = 0; step * FP8_SCALE_BLOCK < k_block; ++step)
+            for (int v = 0; v < vectors; ++v)
+              scale_rows[step * TILE_VECTORS + v] = fp8_block_scale_a16(p, m_begin + r0 + v * TILE_LANES, kb + step);
+          tile_row_tiles(activations, group_stride, panel, k_block, cols, sums + r0, rows, first, p, scale_rows, n0, kb,
+                         vectors, 1);
+        } else {
+          tile_row_tiles(activations, group_stride, panel, k_block, cols, sums + r0, rows, first, p, NULL, n0, kb,
+                         vectors, 0);
         }
         r0 += vectors * TILE_LANES;
       }
