@@ -453,8 +453,7 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
         const int first = k0 == 0;
         const int64_t kb = k0 / FP8_SCALE_BLOCK;
         if (blocked) {
-          /* the rows' scales for this block, once for all the panel's columns (a gather per
-           * vector and tile of 8 columns took ~5% of the time at M = 256) */
+          /* the rows' scales for this block, gathered once for all the panel's columns */
           __m512 scale_rows[TILE_K_BLOCK / FP8_SCALE_BLOCK * TILE_VECTORS];
           for (int64_t step = 0; step * FP8_SCALE_BLOCK < k_block; ++step)
             for (int v = 0; v < vectors; ++v)
