@@ -160,8 +160,9 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
  * or more stay normal in bf16, and their products in float32), each output is one float32
  * sum over all of K, and c_m * c_n scales it once at the end, as a per-token, per-channel
  * call: the AMX kernels then keep their C tiles over all of K instead of storing and
- * adding them, scaled, every 128 k (and the AVX512-BF16 ones their register tiles). Products exact, float32 sums in another order: the
- * same contract. If the plan allows it (fold_offset >= 0) and the scales qualify, writes
+ * adding them, scaled, every 128 k (and the AVX512-BF16 skinny and tile kernels sum
+ * 256 k or all of K at a time instead of each 128 k apart). Products exact, float32 sums
+ * in another order: the same contract. If the plan allows it (fold_offset >= 0) and the scales qualify, writes
  * the folded call's scales and exponent tables into workspace + plan->fold_offset, sets
  * *folded and returns 1; else returns 0 and the call runs K-blocked. Before prepare. */
 enum { FP8_FOLD_MAX_SHIFT = 32 };

@@ -245,7 +245,8 @@ def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind,
 
 
 # ---------------------------------------------------------------------------------------
-# block scales a power of two apart along K, folded into the operands (AMX kernels, M > 64)
+# block scales a power of two apart along K, folded into the operands (AMX kernels from
+# M = 2-5, AVX512-BF16 skinny and tile kernels from M = 9)
 
 
 def power_of_two(scale, significand=1.0):
@@ -530,8 +531,8 @@ def test_ue8m0_layers_fold_and_take_every_path():
                     full = layer(x.clone().requires_grad_())  # the full path (autograd)
                 assert torch.equal(full.detach(), expected)
                 method, folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())
-                expected = folding_plan(variant, rows) if rows > 4 else None
-                assert (method, folded) == expected or (expected is None and not folded)
+                planned = folding_plan(variant, rows) if rows > 4 else None
+                assert (method, folded) == planned or (planned is None and not folded)
     with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for block-wise weights"):
         fp8linear.FP8Config(weight_granularity="channel", scale_fmt="ue8m0")
     with pytest.raises(ValueError, match="scale_fmt must be one of"):

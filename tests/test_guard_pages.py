@@ -106,6 +106,28 @@ def test_scaled_mm_stays_inside_its_operands(m, k, n, side, guarded, cpu_variant
                 assert relative_error(out, exact) <= TOLERANCE[out_dtype]
 
 
+# block-wise scales (per token and 128 k, per 128 x 128 weight block): the dot, skinny
+# (one group, several, a last group of one row) and tile kernels, K tails inside and across
+# 128-k blocks and 256-k panels; float scales (summed per block) and powers of two (folded)
+BLOCK_SHAPES = [(5, 300, 140), (16, 129, 17), (33, 300, 140), (64, 200, 63), (70, 300, 140), (100, 700, 130)]
+
+
+@pytest.mark.parametrize("m, k, n", BLOCK_SHAPES)
+def test_blockwise_scaled_mm_stays_inside_its_operands(m, k, n, side, guarded, cpu_variant):
+    a_values, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+    w_values, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
+    _, scale_a2 = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group", scale_fmt="ue8m0")
+    _, scale_w2 = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block", scale_fmt="ue8m0")
+    a = guarded.tensor(a_values, side)
+    w = guarded.tensor(w_values, side)
+    bias = guarded.tensor(torch.randn(n).to(torch.bfloat16), side)
+    for sa, sw in [(scale_a, scale_w), (scale_a2, scale_w2)]:
+        sa, sw = guarded.tensor(sa, side), guarded.tensor(sw, side)
+        out = fp8linear.scaled_mm(a, w.t(), sa, sw.t(), bias=bias, out_dtype=torch.bfloat16)
+        exact = reference.scaled_mm_float64(a, w.t(), sa, sw.t(), bias=bias)
+        assert relative_error(out, exact) <= TOLERANCE[torch.bfloat16]
+
+
 QUANTIZE_SHAPES = [(1,), (3,), (15,), (16,), (17,), (31,), (33,), (63,), (65,), (129,), (1023,), (4097,), (1, 1),
                    (3, 17), (5, 1), (17, 33), (2, 3, 65), (1, 4099)]
 

@@ -166,9 +166,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
        * 47% of the read probe without, 81% with). One row at a time reads a single
        * stream: 8 KiB ahead in it; several rows: the same bytes two blocks ahead. A
        * distance of two rows of K = 14336 (28 KiB) ran at half the bandwidth of 8 KiB.
-       * One row of one activation row (M = 1): 6 KiB ahead with prefetcht2 (into L2;
-       * prefetcht1 measured about the same) instead, presumably because a prefetch into
-       * L1 holds one of L1's few miss buffers per line all the way from memory.
+       * One row of one activation row (M = 1, or a last row's leftover columns): 6 KiB
+       * ahead with prefetcht2 (into L2; prefetcht1 measured about the same) instead,
+       * presumably because a prefetch into L1 holds one of L1's few miss buffers per line
+       * all the way from memory.
        * FP8Linear, 2 threads, M = 1, % of the read probe, Intel Xeon with AMX: 4096 x 4096
        * 71 -> 82, 14336 x 4096 84 -> 90, 1536 x 576 90 -> 99; 4096 x 14336 unchanged; at
        * M = 2 it was 5% slower. scaled_mm, AMD EPYC Zen 4, 2 threads, two alternated
@@ -348,7 +349,7 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
 }
 
 /* The register tiles of `vectors` groups of 16 rows (packed activations at `activations`)
- * against the panel's `cols` weight rows, over its `pairs` k-pairs: 16 columns per tile,
+ * against the panel's `cols` weight rows, over its k_block / 2 k-pairs: 16 columns per tile,
  * as 2 x 8 for 2 or 3 vectors (up to 24 accumulators), at once for 1. Compiled once per
  * BLOCKED, as the skinny kernel's step loop (a K-blocked branch inside it can cost the
  * accumulators their registers). */
@@ -489,8 +490,9 @@ BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu
  * of the next step is widened while the dot products of this one run (one row of
  * it every two k-pairs, in L1), so the shuffles of the widening fill gaps among
  * the dot products instead of stalling them in a phase of their own; the 16 x 16
- * sums stay in registers for all of K. The tile kernel, which widens 64 x 256
- * panels between its register tiles, spent ~30% of its time widening at M = 16.
+ * sums stay in registers for all of K (K-blocked calls: for each block of 128 k). The
+ * tile kernel, which widens 64 x 256 panels between its register tiles, spent ~30% of
+ * its time widening at M = 16.
  * Up to 4 groups of 16 rows take it in turn, each widening the 16 weight rows again:
  * scaled_mm, 14336 x 4096, 2 threads, AMD EPYC Zen 4, three alternated rounds, tile
  * kernel vs this: M = 48 0.32-0.33 vs 0.38-0.41 TFLOP/s, M = 64 0.35-0.36 vs 0.39-0.42
