@@ -1,6 +1,6 @@
 /* fp8 -> bf16 widening in AVX-512 registers, shared by the AVX512-BF16 kernels
- * (gemm_avx512_bf16.c), their epilogue (gemm_bf16_epilogue.c) and the AMX kernels
- * (gemm_amx.c), with the 16 x 16 float transpose that activation packing and the
+ * (gemm_avx512_bf16.c, gemm_avx512_bf16_dot.c), their epilogue (gemm_bf16_epilogue.c)
+ * and the AMX kernels (gemm_amx.c), with the 16 x 16 float transpose that activation packing and the
  * epilogues share. Only csrc/cpu/ includes this.
  *
  * 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte table lookups

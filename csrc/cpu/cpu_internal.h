@@ -71,12 +71,16 @@ int64_t fp8_cpu_fold_bytes(const fp8_scaled_mm_params* p);
  * kernel (16 weight rows at a time, the plan's tile_n), above it the tile kernel. */
 enum { FP8_BF16_SKINNY_MAX_ROWS = 64 };
 
-/* The AVX512-BF16 kernels (gemm_avx512_bf16.c); scratch: fp8_bf16_scratch_bytes per thread. */
+/* The AVX512-BF16 kernels (gemm_avx512_bf16.c, gemm_avx512_bf16_dot.c); scratch:
+ * fp8_bf16_scratch_bytes per thread. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,
                       int64_t m_begin, int64_t m_end);
 void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                       void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+/* Its dot kernel (gemm_avx512_bf16_dot.c), on the activation rows that prepare widened. */
+void fp8_bf16_dot_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint16_t* activations,
+                          int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 /* Where the float32 sum of output column c, row r (both from 0) of a block lies:
  * sums[(c / 16) * col_group + (c % 16) * col + (r / 16) * row_group + r % 16]. */
 typedef struct {

@@ -8,7 +8,7 @@
  * between the tile products of the current ones. A tile product gives C^T, 16 output
  * columns x 16 rows, which the AVX512-BF16 epilogue transposes on its way out.
  *
- * Three kernels, by M and K (the dot kernel of gemm_avx512_bf16.c keeps M = 1, see gemm.c):
+ * Three kernels, by M and K (the dot kernel of gemm_avx512_bf16_dot.c keeps M = 1, see gemm.c):
  * - the stream kernel (M <= 64, gemm_amx_stream.c): the weights are read once, from
  *   memory, 16 rows side by side over all of K; C tiles stay in registers for all of K;
  * - the full-K kernel (M > 64, K <= FP8_AMX_FULL_K_MAX, gemm_amx_full_k.c): panels of 32
