@@ -5,6 +5,7 @@
 #define FP8LINEAR_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "fp8.h"
 
@@ -185,6 +186,17 @@ uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes);
 #else
 #define FP8_SCALE_LOAD(pointer) (*(pointer))
 #endif
+
+/* The smallest power of two >= scale (positive, finite, below 2^127, as the dynamic scale
+ * rule's are), on the float32 bits: scale_fmt "ue8m0", as DeepSeek's reference inference
+ * rounds its activation scales. One rule for the CPU bindings and the CUDA kernels. */
+static inline FP8_HOST_DEVICE float fp8_power_of_two_ceil(float scale) {
+  uint32_t bits;
+  memcpy(&bits, &scale, sizeof bits);
+  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;
+  memcpy(&scale, &bits, sizeof bits);
+  return scale;
+}
 
 /* Bytes per element of a float dtype: 4 for float32, 2 for bf16 and fp16. */
 static inline FP8_HOST_DEVICE int64_t fp8_float_bytes(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }

@@ -5,8 +5,6 @@
 
 #include <torch/types.h>
 
-#include <cstring>
-
 #include "../kernels.h"
 
 namespace fp8linear {
@@ -65,19 +63,9 @@ inline float scale_from_amax(float amax, fp8_format format) {
   return static_cast<float>(scale > floor ? scale : floor);
 }
 
-// The smallest power of two >= scale (positive, finite, below 2^127 as the scale rule's are):
-// scale_fmt "ue8m0", as DeepSeek's reference inference rounds its activation scales.
-inline float power_of_two_ceil(float scale) {
-  uint32_t bits;
-  std::memcpy(&bits, &scale, sizeof bits);
-  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;
-  std::memcpy(&scale, &bits, sizeof bits);
-  return scale;
-}
-
 // The dynamic scale rule, then rounded up to a power of two.
 inline float power_of_two_scale_from_amax(float amax, fp8_format format) {
-  return power_of_two_ceil(scale_from_amax(amax, format));
+  return fp8_power_of_two_ceil(scale_from_amax(amax, format));
 }
 
 // x seen as [rows, cols] over its last dimension (a 0-d tensor is [1, 1]).

@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cuda(const at::Tensor& x,
     magnitude = at::constant_pad_nd(magnitude, {0, col_blocks * block_cols - cols, 0, row_blocks * block_rows - rows});
     const at::Tensor amax = magnitude.reshape({row_blocks, block_rows, col_blocks, block_cols}).amax({1, 3});
     scales = (amax.to(at::kDouble) / fmax).clamp_min(1.0 / (fmax * 512.0)).to(at::kFloat);
-    if (rounded) {  // power_of_two_ceil on the float32 bits: a set significand moves the exponent up one
+    if (rounded) {  // fp8_power_of_two_ceil on the float32 bits: a set significand moves the exponent up one
       const at::Tensor bits = scales.view(at::kInt);
       const at::Tensor rounded_bits = at::where(bits.bitwise_and(0x7FFFFF).ne(0),
                                                 bits.bitwise_and(0x7F800000).add(0x800000), bits);

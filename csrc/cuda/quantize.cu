@@ -127,13 +127,6 @@ __device__ __forceinline__ float scale_from_amax(float amax) {
   return static_cast<float>(scale > floor ? scale : floor);
 }
 
-// The smallest power of two >= scale, on its bits, as power_of_two_ceil in checks.h.
-__device__ __forceinline__ float power_of_two_ceil(float scale) {
-  unsigned int bits = __float_as_uint(scale);
-  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;
-  return __uint_as_float(bits);
-}
-
 // Maximum over the threadIdx.x group of a row (blockDim.x threads, a power of two);
 // every thread of the block must call it. `shared` holds one float per warp.
 __device__ __forceinline__ float row_group_max(float value, float* shared) {
@@ -244,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_dynamic_kernel(Quantiz
       amax = chunk_amax(chunk, count, amax);
     }
     float scale = scale_from_amax<kFormat>(row_group_max(amax, shared));
-    if (kPowerOfTwo) scale = power_of_two_ceil(scale);
+    if (kPowerOfTwo) scale = fp8_power_of_two_ceil(scale);
     if (!active) continue;
     if (threadIdx.x == 0) row_scales[row] = scale;
 #pragma unroll
