@@ -162,7 +162,7 @@ def bench_shape(name, n, k, rows_list, repeats, smoke, torchao_make, table, note
         channel_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["per-channel"])
                           for _ in range(copies8)]
         block_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["block"]) for _ in range(copies8)]
-        # and with power-of-two scales (scale_fmt "ue8m0", DeepSeek-V3.1): the AMX kernels fold them
+        # and with power-of-two scales (scale_fmt "ue8m0", DeepSeek-V3.1): the AMX and AVX512-BF16 kernels fold them
         ue8m0_layers = [fp8linear.FP8Linear.from_linear(source, **fp8linear.SCHEMES["block"], scale_fmt="ue8m0")
                         for _ in range(copies8)]
         bf16_weights = [source.weight.detach().bfloat16().clone() for _ in range(layer_copies(n, k, rows, 2, smoke))]
@@ -291,7 +291,7 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         "as DeepSeek-V3 / Qwen3 FP8 checkpoints) in the same repetitions: \"block / per-channel\" > 1 means "
         "block-wise is slower; \"block ue8m0\" is the block scheme with its weight and activation scales "
         "rounded up to powers of two (scale_fmt \"ue8m0\", as DeepSeek-V3.1 checkpoints), which the AMX "
-        "kernels fold into the operands (all but the dot kernel of M = 1).",
+        "kernels (all but the dot kernel of M = 1) and the AVX512-BF16 ones (M > 8) fold into the operands.",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),

@@ -69,8 +69,8 @@ def _add_quantize_command(commands) -> None:
                                "DeepSeek-V3 / Qwen3 FP8 layout, written as compressed-tensors FP8_BLOCK)")
     quantize.add_argument("--scale-fmt", choices=["ue8m0"], default=None,
                           help="with --scheme block: power-of-two scales (as DeepSeek-V3.1), which fp8linear's "
-                               "AMX kernels fold into the operands; its layers then quantize activations with "
-                               "power-of-two group scales too")
+                               "AMX and AVX512-BF16 kernels fold into the operands; its layers then quantize "
+                               "activations with power-of-two group scales too")
     quantize.add_argument("--calibration-text", metavar="FILE", default=None,
                           help="a UTF-8 text file to calibrate the static scheme's activation scales on")
     quantize.add_argument("--calibration-samples", type=_at_least_one, default=16,

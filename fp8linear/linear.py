@@ -48,8 +48,8 @@ class FP8Config:
         activations, and the block scales of weights this config quantizes, are rounded up
         to powers of two, as DeepSeek's inference code does for checkpoints whose config
         says ``"scale_fmt": "ue8m0"`` (DeepSeek-V3.1 and later). With power-of-two scales on
-        both sides the AMX kernels fold the scales into the operands and run block-wise
-        layers as fast as per-channel ones; the activations keep up to one bit less
+        both sides the AMX and AVX512-BF16 kernels fold the scales into the operands and
+        run block-wise layers about as fast as per-channel ones; the activations keep up to one bit less
         precision. None (default): scales are any float32.
     """
 
