@@ -193,7 +193,7 @@ def test_group_activations_times_block_weights(m, k, n, out_dtype, cpu_variant):
     assert relative_error(out, mirrored.double()) <= TOLERANCE[out_dtype]
 
 
-@pytest.mark.parametrize("m", [3, 20, 100])
+@pytest.mark.parametrize("m", [3, 6, 20, 100])
 def test_block_sums_are_not_one_sum_times_one_scale(m, cpu_variant):
     # block scales that differ by 2^20 between the two k blocks: a kernel that summed all
     # of K and applied one scale would be off by orders of magnitude
@@ -246,7 +246,7 @@ def test_one_blocked_scale_with_the_other_per_tensor_row_or_column(a_scale_kind,
 
 # ---------------------------------------------------------------------------------------
 # block scales a power of two apart along K, folded into the operands (AMX kernels from
-# M = 2-5, AVX512-BF16 skinny and tile kernels from M = 9)
+# M = 2-5, AVX512-BF16 eight-row, skinny and tile kernels from M = 5)
 
 
 def power_of_two(scale, significand=1.0):
@@ -270,7 +270,7 @@ def plan(a, b, scale_a, scale_b):
 
 
 # the variants whose kernels fold power-of-two block scales into the operands, and the
-# kernel that does it (on AVX512-BF16 the skinny and tile kernels, M > 8)
+# kernel that does it (on AVX512-BF16 the eight-row, skinny and tile kernels, M > 4)
 FOLDING = {"amx": "amx", "amx_emulated": "amx", "avx512_bf16": "bf16_tile"}
 
 
@@ -278,13 +278,13 @@ def folding_plan(variant, m):
     """What cpu_scaled_mm_plan says for foldable scales at M = m (m > 4), or None."""
     if variant not in FOLDING:
         return None
-    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 8 else (FOLDING[variant], True)
+    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 4 else (FOLDING[variant], True)
 
 
 # AMX: the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel;
-# AVX512-BF16: the dot kernel (M <= 8: not folded), the skinny kernel (M <= 64) and the
-# tile kernel; partial blocks of k and of weight rows
-@pytest.mark.parametrize("m, k, n", [(5, 300, 200), (40, 1000, 150), (64, 2200, 40), (65, 300, 200), (100, 129, 128),
+# AVX512-BF16: the eight-row kernel (M = 5-8), the skinny kernel (M <= 64) and the tile
+# kernel; partial blocks of k and of weight rows
+@pytest.mark.parametrize("m, k, n", [(5, 300, 200), (8, 700, 40), (40, 1000, 150), (64, 2200, 40), (65, 300, 200), (100, 129, 128),
                                      (300, 2000, 130), (100, 2200, 70), (600, 700, 300)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_power_of_two_block_scales_fold(m, k, n, out_dtype, cpu_variant):

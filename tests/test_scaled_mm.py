@@ -42,7 +42,20 @@ def test_skinny_kernel_tails(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | skinny (<= 64) | tile; 777: several row chunks
+@pytest.mark.parametrize("m", [5, 6, 7, 8])
+@pytest.mark.parametrize("k", [1, 63, 64, 65, 129, 1025])
+@pytest.mark.parametrize("n", [1, 15, 17, 33])
+def test_eight_row_kernel_tails(m, k, n, cpu_variant):
+    # 5..8 rows take the eight-row kernel (with AVX512-BF16): rows padded to 8, two k-pairs
+    # per lane pair, N in blocks of 16, K in steps of 64 (K-blocked: per 128)
+    _check(*_operands(m, k, n))
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n), out_dtype=torch.bfloat16)
@@ -58,7 +71,7 @@ def test_formats_dtypes_and_scales(a_dtype, b_dtype, out_dtype, per_row, m, cpu_
 
 @pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("m", [5, 13, 70])  # the dot, skinny and tile kernels
+@pytest.mark.parametrize("m", [3, 5, 13, 70])  # the dot, eight-row, skinny and tile kernels
 def test_bias(bias_dtype, out_dtype, m, cpu_variant):
     bias = torch.randn(37).to(bias_dtype)
     _check(*_operands(m, 64, 37), bias=bias, out_dtype=out_dtype)
@@ -154,7 +167,7 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("m", [7, 9, 40, 90])  # the dot (M <= 8), skinny (9..64) and tile kernels
+@pytest.mark.parametrize("m", [3, 7, 9, 40, 90])  # the dot (M <= 4), eight-row, skinny (9..64) and tile kernels
 # (K mod 64 = 13, 36, 32: rows widened 64 k at a time, the last ones partly)
 @pytest.mark.parametrize("k", [77, 100, 96])
 @pytest.mark.parametrize("strided", [False, True])

@@ -284,6 +284,7 @@ fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) 
   const int64_t tiles_n = (n + plan.tile_n - 1) / plan.tile_n;
   int64_t row_tiles = 1;
   while (waste(tiles_n * row_tiles) > 0.05 && plan.m_padded / (row_tiles + 1) >= 96) ++row_tiles;
+  if (row_tiles == 1) return plan;  // (the eight-row kernel's 8 rows are less than one group)
   // even row tiles, in whole groups of 16 rows (the packed activations' unit)
   const int64_t groups = plan.m_padded / 16;
   plan.tile_m = (groups + row_tiles - 1) / row_tiles * 16;

@@ -70,6 +70,9 @@ int64_t fp8_cpu_fold_bytes(const fp8_scaled_mm_params* p);
 /* Up to this many (padded) activation rows the AVX512-BF16 variant runs its skinny
  * kernel (16 weight rows at a time, the plan's tile_n), above it the tile kernel. */
 enum { FP8_BF16_SKINNY_MAX_ROWS = 64 };
+/* M = 5-8 on the AVX512-BF16 variant: padded to this many rows (the plan's m_padded; one
+ * block of rows, never split), the eight-row kernel, 16 weight rows at a time. */
+enum { FP8_BF16_ROWS8 = 8 };
 
 /* The AVX512-BF16 kernels (gemm_avx512_bf16.c, gemm_avx512_bf16_dot.c); scratch:
  * fp8_bf16_scratch_bytes per thread. */

@@ -84,13 +84,20 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
   free(a_block);
 }
 
-/* Up to this many activation rows the dot kernel (one pass over the weights,
- * every row against every weight row) beats packing for the tile kernels; its
- * cost grows with M (each weight is widened again for every 4 rows) while the
- * skinny kernel's (9 <= M <= 16: one group of 16 rows) does not. 2 threads, ms per call
- * dot / skinny, 4096 x 4096: M = 8 0.57 / 0.65, M = 9 0.68 / 0.66, M = 10 0.71 / 0.66;
- * 1536 x 576: M = 8 0.043 / 0.046, M = 9 0.051 / 0.044. */
-enum { DOT_MAX_ROWS = 8 };
+/* Up to this many activation rows the dot kernel (one pass over the weights, every
+ * row against every weight row) runs on the AVX512-BF16 variant; M = 5-8 take the
+ * eight-row kernel (FP8_BF16_ROWS8), M = 9-64 the skinny kernel (groups of 16 rows).
+ * The dot kernel widens each weight again for every 4 rows and, at M = 5-8, keeps 4 x 4
+ * accumulators with half of each weight row's widening per 16 dot products; the
+ * eight-row kernel widens each weight once with every lane of its dot products on a real
+ * row. scaled_mm, TFLOP/s, 2 threads, AMD EPYC Zen 4, builds alternated, three rounds,
+ * dot -> eight-row: 4096 x 14336 M = 8 0.20-0.23 -> 0.30-0.34, M = 5 0.17-0.21 ->
+ * 0.22-0.24; 4096 x 4096 M = 8 0.12-0.21 -> 0.29-0.31; 1536 x 576 M = 8 0.11-0.12 ->
+ * 0.20-0.24. At M = 3-4 the eight-row kernel, padded to 8 rows, lost: 4096 x 14336
+ * M = 4 0.12-0.19 vs 0.15-0.16, M = 3 0.16-0.19 vs 0.07-0.12. (On a Zen 5 the dot
+ * kernel had run M = 8 and the 16-row skinny kernel M = 9 at about one speed: 4096 x
+ * 4096, 0.57 / 0.66 ms; the eight-row kernel was not measured there.) */
+enum { DOT_MAX_ROWS = 4 };
 /* M x N x K up to which the AMX variants keep the dot kernel for 2 <= M <= 4. */
 enum { AMX_DOT_MAX_WORK = 2 << 20 };
 
@@ -134,7 +141,7 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.tile_n = plan.m_padded <= FP8_AMX_STREAM_MAX_ROWS ? 16 : 64;
     } else {
       plan.method = FP8_MM_BF16_TILE;
-      plan.m_padded = round_up(p->m, 16);
+      plan.m_padded = p->m <= FP8_BF16_ROWS8 ? FP8_BF16_ROWS8 : round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* all rows per tile; the bindings split M too when N alone does not even out */
       plan.tile_n = plan.m_padded <= FP8_BF16_SKINNY_MAX_ROWS ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }

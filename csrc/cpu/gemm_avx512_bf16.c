@@ -9,7 +9,7 @@
  *
  * Weights are read in their canonical layout (b = w.t(): each output column is a
  * contiguous row of K bytes), so no persistent prepacked copy is needed:
- * - dot kernel (small M, GEMV; in gemm_avx512_bf16_dot.c): stream weight rows once,
+ * - dot kernel (M <= 4, GEMV; in gemm_avx512_bf16_dot.c): stream weight rows once,
  *   dot them against every activation row held widened in a workspace, reduce each
  *   sum at the end;
  * - tile kernel (large M, GEMM): widen a panel of weight rows into an L1/L2-sized
@@ -18,7 +18,9 @@
  *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
  * - skinny kernel (9 <= M <= 64): the tile kernel's data layout for one group of
  *   16 rows at a time, with the widening of the next small panel interleaved with
- *   the dot products of the current one.
+ *   the dot products of the current one;
+ * - eight-row kernel (5 <= M <= 8): the skinny kernel's loop over 8 rows packed two
+ *   k-pairs to a lane pair, so that no lane works on a padding row.
  * On this Zen 5 the widening shuffles and the dot products compete for the same
  * vector pipes (widen64 alone: ~2.7 cycles; in a phase of its own beside the dot
  * products it adds as much), so the kernels are shaped to widen each weight as few
@@ -117,6 +119,37 @@ BF16_TARGET static void pack_activation_group(const fp8_scaled_mm_params* p, con
                                  : _mm512_setzero_ps();
     transpose16(block);
     for (int j = 0; j < TILE_LANES; ++j) _mm512_store_ps((float*)(dest + (pair0 + j) * TILE_LANES), block[j]);
+  }
+}
+
+/* Up to 8 activation rows (M = 5-8, the eight-row kernel) packed as
+ * [k_padded / 4][8 rows][2 pairs]: one vector holds each row's k-pairs 2q and 2q + 1,
+ * so that a broadcast 64-bit weight pair of pairs fills all 16 lanes. The rows are
+ * widened into `rows` (8 x k_padded bf16) and turned into that layout 8 x 8 64-bit
+ * pieces at a time by a transpose in registers. */
+BF16_TARGET static void pack_activation_rows8(const fp8_scaled_mm_params* p, const widen_tables_t* t,
+                                              int64_t k_padded, uint32_t* packed, uint16_t* rows) {
+  const int64_t lanes = p->m < 8 ? p->m : 8;
+  for (int lane = 0; lane < lanes; ++lane) widen_activation_row(p, t, lane, k_padded, rows + lane * k_padded);
+  for (int64_t k0 = 0; k0 < k_padded; k0 += 32) { /* 32 bf16 of each row: 8 pieces of two pairs */
+    __m512i r[8], lo[4], hi[4];
+    for (int lane = 0; lane < 8; ++lane)
+      r[lane] = lane < lanes ? _mm512_load_si512(rows + lane * k_padded + k0) : _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) { /* 128-bit lane L: rows 2i, 2i + 1 at piece 2L (lo), 2L + 1 (hi) */
+      lo[i] = _mm512_unpacklo_epi64(r[2 * i], r[2 * i + 1]);
+      hi[i] = _mm512_unpackhi_epi64(r[2 * i], r[2 * i + 1]);
+    }
+    __m512i* const halves[2] = {lo, hi};
+    uint32_t* dest = packed + (k0 / 4) * 16;
+    for (int h = 0; h < 2; ++h) { /* h = 0: pieces 0, 2, 4, 6; 1: 1, 3, 5, 7 */
+      const __m512i* v = halves[h];
+      const __m512i even01 = _mm512_shuffle_i64x2(v[0], v[1], 0x88), odd01 = _mm512_shuffle_i64x2(v[0], v[1], 0xDD);
+      const __m512i even23 = _mm512_shuffle_i64x2(v[2], v[3], 0x88), odd23 = _mm512_shuffle_i64x2(v[2], v[3], 0xDD);
+      _mm512_store_si512(dest + (h + 0) * 16, _mm512_shuffle_i64x2(even01, even23, 0x88));
+      _mm512_store_si512(dest + (h + 4) * 16, _mm512_shuffle_i64x2(even01, even23, 0xDD));
+      _mm512_store_si512(dest + (h + 2) * 16, _mm512_shuffle_i64x2(odd01, odd23, 0x88));
+      _mm512_store_si512(dest + (h + 6) * 16, _mm512_shuffle_i64x2(odd01, odd23, 0xDD));
+    }
   }
 }
 
@@ -426,6 +459,91 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
   }
 }
 
+/* ---- eight-row kernel (M = 5-8) ------------------------------------------- */
+
+/* The skinny kernel's loop for one group of 8 activation rows packed by
+ * pack_activation_rows8: each dot product takes one vector of 8 rows x 2 k-pairs and a
+ * weight's two pairs broadcast as 64 bits, so all 16 lanes do useful work where 16-row
+ * groups would leave half of them on padding rows, and each weight is widened once for
+ * the 8 rows. Lane 2r + h sums row r's pairs of parity h; the two lanes of a row are
+ * added at the end. */
+BF16_TARGET ALWAYS_INLINE void rows8_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
+                                             const uint32_t* packed, int64_t kp, int64_t n0, int64_t cols,
+                                             uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP], float* sums,
+                                             const int BLOCKED) {
+  const int64_t k = p->k;
+  const uint8_t* rows[SKINNY_COLS];
+  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
+    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
+  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride; /* as skinny_columns */
+  int64_t next_line = 0;
+  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
+  const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
+  for (int c = 0; c < SKINNY_COLS; ++c)
+    skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
+  /* lane 2r + h -> row r, for the scales of K-blocked calls */
+  const __m512i row_of_lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
+  for (int64_t block0 = 0; block0 < kp; block0 += span) {
+    const int64_t block_end = kp - block0 < span ? kp : block0 + span;
+    __m512 acc[SKINNY_COLS];
+    for (int j = 0; j < SKINNY_COLS; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t k0 = block0; k0 < block_end; k0 += SKINNY_STEP) {
+      const int step = (int)((k0 / SKINNY_STEP) & 1);
+      const uint32_t* panel = (const uint32_t*)panels[step];
+      uint16_t* next = panels[step ^ 1];
+      const uint32_t* a = packed + (k0 / 4) * 16;
+      const int64_t next_k = k0 + SKINNY_STEP;
+      const widen_tables_t tables =
+          shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
+      for (int c = 0; c < SKINNY_COLS; ++c) { /* 16 vectors of 2 k-pairs: one row of the next panel each */
+        skinny_widen_row(&tables, rows[c] + next_k, k - next_k, next + c * SKINNY_STEP, next_block + 64 * next_line++);
+        const __m512bh av = (__m512bh)_mm512_load_si512(a + c * 16);
+        for (int j = 0; j < SKINNY_COLS; ++j)
+          acc[j] = _mm512_dpbf16_ps(
+              acc[j], av, (__m512bh)_mm512_set1_epi64(*(const long long*)(panel + j * (SKINNY_STEP / 2) + 2 * c)));
+      }
+    }
+    if (!BLOCKED) {
+      for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
+      continue;
+    }
+    /* through memory before the scales, as in skinny_columns */
+    float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
+    for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
+    const int64_t kb = block0 / FP8_SCALE_BLOCK;
+    const __m512 scale_a = _mm512_permutexvar_ps(row_of_lane, fp8_block_scale_a16(p, 0, kb));
+    for (int j = 0; j < SKINNY_COLS; ++j) {
+      const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
+      const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
+      float* at = sums + j * TILE_LANES;
+      _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
+    }
+  }
+  /* row r's two lanes added into lane r (lanes 8-15: never stored) */
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int j = 0; j < SKINNY_COLS; ++j) {
+    const __m512 v = _mm512_load_ps(sums + j * TILE_LANES);
+    _mm512_store_ps(sums + j * TILE_LANES, _mm512_add_ps(_mm512_permutexvar_ps(even, v), _mm512_permutexvar_ps(odd, v)));
+  }
+}
+
+BF16_TARGET static void rows8_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                     const uint32_t* packed, int64_t n_begin, int64_t n_end) {
+  const widen_tables_t t = load_widen_tables(p->b_format);
+  const int64_t kp = plan->k_padded;
+  uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
+  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
+  const int blocked = fp8_k_blocked(p);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
+    const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
+    if (blocked) rows8_columns(p, &t, packed, kp, n0, cols, panels, sums, 1);
+    else rows8_columns(p, &t, packed, kp, n0, cols, panels, sums, 0);
+    fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), 0, p->m, n0, cols);
+  }
+}
+
 /* ---- entry points ---------------------------------------------------------- */
 
 /* Per thread: the tile kernel's panel and sums (one row chunk), or the 16 rows that
@@ -447,6 +565,10 @@ BF16_TARGET void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_m
     for (int64_t m = m_begin; m < m_end; ++m) widen_activation_row(p, &t, m, kp, (uint16_t*)workspace + m * kp);
     return;
   }
+  if (plan->m_padded == FP8_BF16_ROWS8) {
+    pack_activation_rows8(p, &t, kp, (uint32_t*)workspace, (uint16_t*)scratch); /* (m_begin = 0: one block of rows) */
+    return;
+  }
   for (int64_t group = m_begin / TILE_LANES; group * TILE_LANES < m_end; ++group)
     pack_activation_group(p, &t, group, kp, (uint32_t*)workspace, (uint16_t*)scratch);
 }
@@ -456,6 +578,8 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   fp8_bf16_build_widen_tables();
   if (plan->method == FP8_MM_BF16_DOT) {
     fp8_bf16_dot_compute(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
+  } else if (plan->m_padded == FP8_BF16_ROWS8) {
+    rows8_kernel(p, plan, (const uint32_t*)workspace, n_begin, n_end); /* (all M rows: m_begin = 0) */
   } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
     skinny_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else {
