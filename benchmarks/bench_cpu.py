@@ -291,7 +291,7 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
         "as DeepSeek-V3 / Qwen3 FP8 checkpoints) in the same repetitions: \"block / per-channel\" > 1 means "
         "block-wise is slower; \"block ue8m0\" is the block scheme with its weight and activation scales "
         "rounded up to powers of two (scale_fmt \"ue8m0\", as DeepSeek-V3.1 checkpoints), which the AMX "
-        "kernels (all but the dot kernel of M = 1) and the AVX512-BF16 ones (M > 8) fold into the operands.",
+        "kernels (all but the dot kernel of M = 1) and the AVX512-BF16 ones (M > 4) fold into the operands.",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),

@@ -89,12 +89,12 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
  * eight-row kernel (FP8_BF16_ROWS8), M = 9-64 the skinny kernel (groups of 16 rows).
  * The dot kernel widens each weight again for every 4 rows and, at M = 5-8, keeps 4 x 4
  * accumulators with half of each weight row's widening per 16 dot products; the
- * eight-row kernel widens each weight once with every lane of its dot products on a real
+ * eight-row kernel widens each weight once with (at M = 8) every lane of its dot products on a real
  * row. scaled_mm, TFLOP/s, 2 threads, AMD EPYC Zen 4, builds alternated, three rounds,
  * dot -> eight-row: 4096 x 14336 M = 8 0.20-0.23 -> 0.30-0.34, M = 5 0.17-0.21 ->
  * 0.22-0.24; 4096 x 4096 M = 8 0.12-0.21 -> 0.29-0.31; 1536 x 576 M = 8 0.11-0.12 ->
- * 0.20-0.24. At M = 3-4 the eight-row kernel, padded to 8 rows, lost: 4096 x 14336
- * M = 4 0.12-0.19 vs 0.15-0.16, M = 3 0.16-0.19 vs 0.07-0.12. (On a Zen 5 the dot
+ * 0.20-0.24. At M = 3-4 the eight-row kernel, padded to 8 rows, lost (dot vs eight-row,
+ * medians of three: 4096 x 14336 M = 4 0.18 vs 0.16, M = 3 0.19 vs 0.11). (On a Zen 5 the dot
  * kernel had run M = 8 and the 16-row skinny kernel M = 9 at about one speed: 4096 x
  * 4096, 0.57 / 0.66 ms; the eight-row kernel was not measured there.) */
 enum { DOT_MAX_ROWS = 4 };

@@ -20,7 +20,7 @@
  *   16 rows at a time, with the widening of the next small panel interleaved with
  *   the dot products of the current one;
  * - eight-row kernel (5 <= M <= 8): the skinny kernel's loop over 8 rows packed two
- *   k-pairs to a lane pair, so that no lane works on a padding row.
+ *   k-pairs to a lane pair, so that (at M = 8) no lane works on a padding row.
  * On this Zen 5 the widening shuffles and the dot products compete for the same
  * vector pipes (widen64 alone: ~2.7 cycles; in a phase of its own beside the dot
  * products it adds as much), so the kernels are shaped to widen each weight as few
@@ -463,7 +463,7 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
 
 /* The skinny kernel's loop for one group of 8 activation rows packed by
  * pack_activation_rows8: each dot product takes one vector of 8 rows x 2 k-pairs and a
- * weight's two pairs broadcast as 64 bits, so all 16 lanes do useful work where 16-row
+ * weight's two pairs broadcast as 64 bits, so (at M = 8) all 16 lanes do useful work where 16-row
  * groups would leave half of them on padding rows, and each weight is widened once for
  * the 8 rows. Lane 2r + h sums row r's pairs of parity h; the two lanes of a row are
  * added at the end. */
