@@ -364,16 +364,24 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
   widen64_store(t, row, k_left, dest); /* the step after the last one reads nothing */
 }
 
-/* 16 weight rows from n0 (`cols` of them real) against one group of 16 activation rows
- * over all of K, their sums into `sums` ([column][16 rows]). Compiled once per BLOCKED:
- * with the K-blocked branch inside the step loop, the compiler kept the 16 accumulators
- * in memory and stored all of them after every two k-pairs (16 zmm stores per 32 dot
- * products), which held the kernel near half the dot-product rate on an AMD EPYC Zen 4
- * (M = 16, 512 x 4096 from cache, one thread: 0.12 TFLOP/s). */
+/* 16 weight rows from n0 (`cols` of them real) against one group of activation rows
+ * over all of K, their sums into `sums` ([column][16 lanes]). The group is 16 rows
+ * packed by pack_activation_group (a vector per k-pair, one row per lane, the weight's
+ * pair broadcast as 32 bits) or, with EIGHT_ROWS, 8 rows packed by
+ * pack_activation_rows8 (a vector per two k-pairs, lane 2r + h summing row r's pairs of
+ * parity h, the weight's two pairs broadcast as 64 bits; the two lanes of a row are
+ * added at the end into lane r). At M = 8 the eight-row form leaves no lane on a
+ * padding row where a 16-row group would leave half of them, and still widens each
+ * weight once.
+ * Compiled once per BLOCKED and EIGHT_ROWS: with the K-blocked branch inside the step
+ * loop, the compiler kept the 16 accumulators in memory and stored all of them after
+ * every two k-pairs (16 zmm stores per 32 dot products), which held the kernel near
+ * half the dot-product rate on an AMD EPYC Zen 4 (M = 16, 512 x 4096 from cache, one
+ * thread: 0.12 TFLOP/s). */
 BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                               const uint32_t* group, int64_t kp, int64_t m_begin, int64_t n0,
                                               int64_t cols, uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP],
-                                              float* sums, const int BLOCKED) {
+                                              float* sums, const int BLOCKED, const int EIGHT_ROWS) {
   const int64_t k = p->k;
   const uint8_t* rows[SKINNY_COLS];
   for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
@@ -391,6 +399,8 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
   const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
   for (int c = 0; c < SKINNY_COLS; ++c)
     skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
+  /* k values per activation vector: 2 (a pair for 16 rows) or 4 (two pairs for 8 rows) */
+  const int64_t k_per_vector = EIGHT_ROWS ? 4 : 2;
   /* K-blocked scales: each block of 128 k is summed from zero, and its sums, scaled, join
    * the totals kept in `sums` (in memory: 16 more registers would spill) */
   const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
@@ -402,17 +412,21 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
       const int step = (int)((k0 / SKINNY_STEP) & 1);
       const uint32_t* panel = (const uint32_t*)panels[step];
       uint16_t* next = panels[step ^ 1];
-      const uint32_t* a = group + (k0 / 2) * TILE_LANES;
+      const uint32_t* a = group + (k0 / k_per_vector) * TILE_LANES;
       const int64_t next_k = k0 + SKINNY_STEP;
       const widen_tables_t tables =
           shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
-      for (int c = 0; c < SKINNY_COLS; ++c) { /* 32 k-pairs: two per row of the next panel */
+      /* 32 k-pairs: per row of the next panel, two vectors of one pair or one of two */
+      for (int c = 0; c < SKINNY_COLS; ++c) {
         skinny_widen_row(&tables, rows[c] + next_k, k - next_k, next + c * SKINNY_STEP, next_block + 64 * next_line++);
-        for (int half = 0; half < 2; ++half) {
-          const int pair = 2 * c + half;
-          const __m512bh av = (__m512bh)_mm512_load_si512(a + pair * TILE_LANES);
-          for (int j = 0; j < SKINNY_COLS; ++j)
-            acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_set1_epi32((int)panel[j * (SKINNY_STEP / 2) + pair]));
+        for (int v = 0; v < (EIGHT_ROWS ? 1 : 2); ++v) {
+          const int vector = EIGHT_ROWS ? c : 2 * c + v;
+          const __m512bh av = (__m512bh)_mm512_load_si512(a + vector * TILE_LANES);
+          for (int j = 0; j < SKINNY_COLS; ++j) {
+            const uint32_t* w = panel + j * (SKINNY_STEP / 2) + (EIGHT_ROWS ? 2 * c : vector);
+            const __m512i wv = EIGHT_ROWS ? _mm512_set1_epi64(*(const long long*)w) : _mm512_set1_epi32((int)*w);
+            acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)wv);
+          }
         }
       }
     }
@@ -426,7 +440,11 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
     float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
     for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
     const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    const __m512 scale_a = fp8_block_scale_a16(p, m_begin, kb);
+    const __m512 rows_scale = fp8_block_scale_a16(p, m_begin, kb);
+    /* eight rows: lane 2r + h takes row r's scale */
+    const __m512 scale_a =
+        EIGHT_ROWS ? _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), rows_scale)
+                   : rows_scale;
     for (int j = 0; j < SKINNY_COLS; ++j) {
       const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
       const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
@@ -434,92 +452,7 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
       _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
     }
   }
-}
-
-/* Rows [m_begin, m_end), m_begin a multiple of 16: for each 16 weight rows, every group
- * of 16 activation rows in turn (the weight rows read from memory once, from L1/L2 for
- * the groups after the first, and widened again per group between dot products). */
-BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                      const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                      int64_t n_end) {
-  const widen_tables_t t = load_widen_tables(p->b_format);
-  const int64_t kp = plan->k_padded;
-  uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
-  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
-  const int blocked = fp8_k_blocked(p);
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
-    const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES) {
-      const uint32_t* group = packed + (m0 / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
-      if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1);
-      else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0);
-      fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m0, m_end - m0 < TILE_LANES ? m_end : m0 + TILE_LANES,
-                             n0, cols);
-    }
-  }
-}
-
-/* ---- eight-row kernel (M = 5-8) ------------------------------------------- */
-
-/* The skinny kernel's loop for one group of 8 activation rows packed by
- * pack_activation_rows8: each dot product takes one vector of 8 rows x 2 k-pairs and a
- * weight's two pairs broadcast as 64 bits, so (at M = 8) all 16 lanes do useful work where 16-row
- * groups would leave half of them on padding rows, and each weight is widened once for
- * the 8 rows. Lane 2r + h sums row r's pairs of parity h; the two lanes of a row are
- * added at the end. */
-BF16_TARGET ALWAYS_INLINE void rows8_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
-                                             const uint32_t* packed, int64_t kp, int64_t n0, int64_t cols,
-                                             uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP], float* sums,
-                                             const int BLOCKED) {
-  const int64_t k = p->k;
-  const uint8_t* rows[SKINNY_COLS];
-  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
-    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
-  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride; /* as skinny_columns */
-  int64_t next_line = 0;
-  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
-  const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
-  for (int c = 0; c < SKINNY_COLS; ++c)
-    skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
-  /* lane 2r + h -> row r, for the scales of K-blocked calls */
-  const __m512i row_of_lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
-  for (int64_t block0 = 0; block0 < kp; block0 += span) {
-    const int64_t block_end = kp - block0 < span ? kp : block0 + span;
-    __m512 acc[SKINNY_COLS];
-    for (int j = 0; j < SKINNY_COLS; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t k0 = block0; k0 < block_end; k0 += SKINNY_STEP) {
-      const int step = (int)((k0 / SKINNY_STEP) & 1);
-      const uint32_t* panel = (const uint32_t*)panels[step];
-      uint16_t* next = panels[step ^ 1];
-      const uint32_t* a = packed + (k0 / 4) * 16;
-      const int64_t next_k = k0 + SKINNY_STEP;
-      const widen_tables_t tables =
-          shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
-      for (int c = 0; c < SKINNY_COLS; ++c) { /* 16 vectors of 2 k-pairs: one row of the next panel each */
-        skinny_widen_row(&tables, rows[c] + next_k, k - next_k, next + c * SKINNY_STEP, next_block + 64 * next_line++);
-        const __m512bh av = (__m512bh)_mm512_load_si512(a + c * 16);
-        for (int j = 0; j < SKINNY_COLS; ++j)
-          acc[j] = _mm512_dpbf16_ps(
-              acc[j], av, (__m512bh)_mm512_set1_epi64(*(const long long*)(panel + j * (SKINNY_STEP / 2) + 2 * c)));
-      }
-    }
-    if (!BLOCKED) {
-      for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
-      continue;
-    }
-    /* through memory before the scales, as in skinny_columns */
-    float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
-    for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
-    const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    const __m512 scale_a = _mm512_permutexvar_ps(row_of_lane, fp8_block_scale_a16(p, 0, kb));
-    for (int j = 0; j < SKINNY_COLS; ++j) {
-      const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
-      const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
-      float* at = sums + j * TILE_LANES;
-      _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
-    }
-  }
+  if (!EIGHT_ROWS) return;
   /* row r's two lanes added into lane r (lanes 8-15: never stored) */
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -529,18 +462,34 @@ BF16_TARGET ALWAYS_INLINE void rows8_columns(const fp8_scaled_mm_params* p, cons
   }
 }
 
-BF16_TARGET static void rows8_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                     const uint32_t* packed, int64_t n_begin, int64_t n_end) {
+/* Rows [m_begin, m_end), m_begin a multiple of 16: for each 16 weight rows, every group
+ * of 16 activation rows in turn (the weight rows read from memory once, from L1/L2 for
+ * the groups after the first, and widened again per group between dot products).
+ * M = 5-8 (the eight-row kernel): one group of 8 rows. */
+BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
+                                      const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
+                                      int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
   float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
   const int blocked = fp8_k_blocked(p);
+  /* M = 5-8: all rows in one group packed by pack_activation_rows8 (m_begin = 0) */
+  const int eight_rows = plan->m_padded == FP8_BF16_ROWS8;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
     const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
-    if (blocked) rows8_columns(p, &t, packed, kp, n0, cols, panels, sums, 1);
-    else rows8_columns(p, &t, packed, kp, n0, cols, panels, sums, 0);
-    fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), 0, p->m, n0, cols);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES) {
+      const uint32_t* group = packed + (m0 / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
+      if (eight_rows) {
+        if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1, 1);
+        else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0, 1);
+      } else {
+        if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1, 0);
+        else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0, 0);
+      }
+      fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m0, m_end - m0 < TILE_LANES ? m_end : m0 + TILE_LANES,
+                             n0, cols);
+    }
   }
 }
 
@@ -578,8 +527,6 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   fp8_bf16_build_widen_tables();
   if (plan->method == FP8_MM_BF16_DOT) {
     fp8_bf16_dot_compute(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
-  } else if (plan->m_padded == FP8_BF16_ROWS8) {
-    rows8_kernel(p, plan, (const uint32_t*)workspace, n_begin, n_end); /* (all M rows: m_begin = 0) */
   } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
     skinny_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else {
