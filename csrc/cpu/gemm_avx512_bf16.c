@@ -178,13 +178,26 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
     }
   }
   if (BLOCKED) {
-    for (int j = 0; j < COLS; ++j) {
-      const __m512 scale_b = _mm512_set1_ps(fp8_block_scale_b(p, n_first + j, kb));
-      for (int v = 0; v < VECTORS; ++v) {
-        const __m512 scale = _mm512_mul_ps(scale_rows[v], scale_b);
-        float* at = sums + j * sums_stride + v * TILE_LANES;
-        _mm512_storeu_ps(at, first ? _mm512_mul_ps(acc[v][j], scale) : _mm512_fmadd_ps(acc[v][j], scale, _mm512_loadu_ps(at)));
-      }
+    /* every scale read before the first store (the build's -fno-strict-aliasing lets a
+     * store through `sums` alias them), and `first` decided once: per element, the
+     * select and the scale reloads made the compiler spill all 24 accumulators to the
+     * stack and read them back */
+    float scale_b[16];
+    for (int j = 0; j < COLS; ++j) scale_b[j] = fp8_block_scale_b(p, n_first + j, kb);
+    __m512 scale_a[TILE_VECTORS];
+    for (int v = 0; v < VECTORS; ++v) scale_a[v] = scale_rows[v];
+    if (first) {
+      for (int j = 0; j < COLS; ++j)
+        for (int v = 0; v < VECTORS; ++v)
+          _mm512_storeu_ps(sums + j * sums_stride + v * TILE_LANES,
+                           _mm512_mul_ps(acc[v][j], _mm512_mul_ps(scale_a[v], _mm512_set1_ps(scale_b[j]))));
+    } else {
+      for (int j = 0; j < COLS; ++j)
+        for (int v = 0; v < VECTORS; ++v) {
+          float* at = sums + j * sums_stride + v * TILE_LANES;
+          _mm512_storeu_ps(at, _mm512_fmadd_ps(acc[v][j], _mm512_mul_ps(scale_a[v], _mm512_set1_ps(scale_b[j])),
+                                               _mm512_loadu_ps(at)));
+        }
     }
     return;
   }
