@@ -392,9 +392,10 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
  * half the dot-product rate on an AMD EPYC Zen 4 (M = 16, 512 x 4096 from cache, one
  * thread: 0.12 TFLOP/s). */
 BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
-                                              const uint32_t* group, int64_t kp, int64_t m_begin, int64_t n0,
+                                              const uint32_t* group, int64_t kp, int64_t n0,
                                               int64_t cols, uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP],
-                                              float* sums, const int BLOCKED, const int EIGHT_ROWS) {
+                                              float* sums, const __m512* scale_a_blocks, const int BLOCKED,
+                                              const int EIGHT_ROWS) {
   const int64_t k = p->k;
   const uint8_t* rows[SKINNY_COLS];
   for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
@@ -453,13 +454,13 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
     float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
     for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
     const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    const __m512 rows_scale = fp8_block_scale_a16(p, m_begin, kb);
-    /* eight rows: lane 2r + h takes row r's scale */
-    const __m512 scale_a =
-        EIGHT_ROWS ? _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), rows_scale)
-                   : rows_scale;
+    const __m512 scale_a = _mm512_loadu_ps((const float*)(scale_a_blocks + kb));
+    /* block scale_b: the 16 columns lie in one block of 128 rows (n0 is a multiple of 16;
+     * columns past N are padding), so one scale serves them all */
+    const __m512 block_scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
     for (int j = 0; j < SKINNY_COLS; ++j) {
-      const __m512 scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
+      const __m512 scale =
+          p->scale_b_blocked ? block_scale : _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
       const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
       float* at = sums + j * TILE_LANES;
       _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
@@ -480,8 +481,8 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
  * the groups after the first, and widened again per group between dot products).
  * M = 5-8 (the eight-row kernel): one group of 8 rows. */
 BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                      const uint32_t* packed, int64_t m_begin, int64_t m_end, int64_t n_begin,
-                                      int64_t n_end) {
+                                      const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
+                                      int64_t n_begin, int64_t n_end) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
@@ -489,16 +490,31 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
   const int blocked = fp8_k_blocked(p);
   /* M = 5-8: all rows in one group packed by pack_activation_rows8 (m_begin = 0) */
   const int eight_rows = plan->m_padded == FP8_BF16_ROWS8;
+  /* K-blocked: each group's scale_a per block of 128 k, gathered once here rather than
+   * for every 16 weight rows (M = 8, 4096 x 4096 block-wise, 2 threads: ~8% of a call);
+   * eight rows: lane 2r + h takes row r's scale */
+  __m512* scale_a_blocks = (__m512*)scratch; /* [group][k block] */
+  const int64_t k_blocks = (kp + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+  if (blocked)
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES)
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const __m512 rows_scale = fp8_block_scale_a16(p, m0, kb);
+        _mm512_storeu_ps((float*)(scale_a_blocks + (m0 - m_begin) / TILE_LANES * k_blocks + kb),
+                         eight_rows ? _mm512_permutexvar_ps(
+                                          _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), rows_scale)
+                                    : rows_scale);
+      }
   for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
     const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES) {
       const uint32_t* group = packed + (m0 / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
+      const __m512* scales = scale_a_blocks + (m0 - m_begin) / TILE_LANES * k_blocks;
       if (eight_rows) {
-        if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1, 1);
-        else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0, 1);
+        if (blocked) skinny_columns(p, &t, group, kp, n0, cols, panels, sums, scales, 1, 1);
+        else skinny_columns(p, &t, group, kp, n0, cols, panels, sums, NULL, 0, 1);
       } else {
-        if (blocked) skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 1, 0);
-        else skinny_columns(p, &t, group, kp, m0, n0, cols, panels, sums, 0, 0);
+        if (blocked) skinny_columns(p, &t, group, kp, n0, cols, panels, sums, scales, 1, 0);
+        else skinny_columns(p, &t, group, kp, n0, cols, panels, sums, NULL, 0, 0);
       }
       fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m0, m_end - m0 < TILE_LANES ? m_end : m0 + TILE_LANES,
                              n0, cols);
@@ -508,12 +524,16 @@ BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_c
 
 /* ---- entry points ---------------------------------------------------------- */
 
-/* Per thread: the tile kernel's panel and sums (one row chunk), or the 16 rows that
- * prepare widens before packing them. */
+/* Per thread: the tile kernel's panel and sums (one row chunk) or the skinny kernel's
+ * scale_a table, or the 16 rows that prepare widens before packing them. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan) {
   if (plan->method == FP8_MM_BF16_DOT) return 0;
   const int64_t chunk_rows = plan->m_padded < TILE_ROW_CHUNK ? plan->m_padded : TILE_ROW_CHUNK;
-  const int64_t compute = TILE_PANEL_BYTES + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
+  /* the skinny kernel's scale_a per group of 16 rows and block of 128 k (K-blocked calls) */
+  const int64_t compute =
+      plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS
+          ? (plan->m_padded + TILE_LANES - 1) / TILE_LANES * ((plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK) * 64
+          : TILE_PANEL_BYTES + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
   const int64_t prepare = TILE_LANES * plan->k_padded * (int64_t)sizeof(uint16_t);
   return compute > prepare ? compute : prepare;
 }
@@ -541,7 +561,7 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   if (plan->method == FP8_MM_BF16_DOT) {
     fp8_bf16_dot_compute(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
-    skinny_kernel(p, plan, (const uint32_t*)workspace, m_begin, m_end, n_begin, n_end);
+    skinny_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   } else {
     tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   }
