@@ -530,10 +530,11 @@ int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan) {
   if (plan->method == FP8_MM_BF16_DOT) return 0;
   const int64_t chunk_rows = plan->m_padded < TILE_ROW_CHUNK ? plan->m_padded : TILE_ROW_CHUNK;
   /* the skinny kernel's scale_a per group of 16 rows and block of 128 k (K-blocked calls) */
-  const int64_t compute =
-      plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS
-          ? (plan->m_padded + TILE_LANES - 1) / TILE_LANES * ((plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK) * 64
-          : TILE_PANEL_BYTES + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
+  const int64_t groups = (plan->m_padded + TILE_LANES - 1) / TILE_LANES;
+  const int64_t k_blocks = (plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+  const int64_t compute = plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS
+                              ? groups * k_blocks * (int64_t)sizeof(__m512)
+                              : TILE_PANEL_BYTES + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
   const int64_t prepare = TILE_LANES * plan->k_padded * (int64_t)sizeof(uint16_t);
   return compute > prepare ? compute : prepare;
 }
