@@ -55,6 +55,18 @@ def test_eight_row_kernel_tails(m, k, n, cpu_variant):
     assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
 
 
+@pytest.mark.parametrize("m", [100, 400])
+@pytest.mark.parametrize("k", [2048, 2049])
+def test_tile_kernel_panel_and_chunk_bounds(m, k, cpu_variant):
+    # the AVX512-BF16 tile kernel widens all of K into one panel up to K = 2048 (padded to 64)
+    # and 256 k at a time beyond; 400 rows: more than one chunk of rows on one thread
+    _check(*_operands(m, k, 70))
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(70, k), granularity="block")
+    out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
+    assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
+
+
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):
