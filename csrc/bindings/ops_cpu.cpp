@@ -280,12 +280,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, 
 // each: thread t then computes on the rows it packed in prepare (at::parallel_for cuts both
 // ranges alike) and writes whole output rows. Split by columns, every thread reads all
 // the packed activations for each weight panel, half of them written by another core.
-// The price: each thread reads the whole weight instead of its share. FP8Linear, 2 threads, AMD EPYC Zen 4, by columns -> by rows,
-// medians of 6-8 alternated rounds in one process: M = 256 1536 x 576 1.08x faster,
-// 4096 x 4096 1.07x, 14336 x 4096 1.06x, 4096 x 14336 1.00x; M = 512 1.04-1.11x; M = 2048
-// 1.02-1.04x. With 96 rows a thread (M = 192) it lost on the Llama shapes (0.97-1.01x: the
-// weight read twice over fewer rows), so it takes 128. The AMX kernels keep the split by
-// columns (not measured on an Intel Xeon).
+// The price: each thread reads the whole weight instead of its share. FP8Linear, 2
+// threads, AMD EPYC Zen 4, by columns -> by rows, medians of 6-8 alternated rounds in one
+// process: M = 256 1536 x 576 1.08x faster, 4096 x 4096 1.07x, 14336 x 4096 1.06x, 4096 x
+// 14336 1.00x; M = 512 1.04-1.11x; M = 2048 1.02-1.04x. With 96 rows a thread (M = 192)
+// the Llama shapes ran 0.97-1.01x (the weight read twice over fewer rows), so it takes
+// 128. The AMX kernels keep the split by columns (not measured on an Intel Xeon).
 constexpr int64_t kRowsPerThreadForRowSplit = 128;
 
 fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) {

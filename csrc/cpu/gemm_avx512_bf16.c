@@ -359,9 +359,9 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
 /* Rows in equal chunks of whole groups, at most TILE_ROW_CHUNK rows each, each chunk
  * over all of this thread's weight rows: a chunk's activations for one K block and its
  * sums stay in cache between panels (192 x K bf16 with whole-K panels: 768 KiB at K =
- * 2048), where all M rows at once (1 MiB per 256-k block at M = 2048) streamed from L3 (M = 2048, 4096 x 4096, 2 threads: 87 ms per call before,
- * 77 ms after). Each chunk widens the weight panels again: 1/192 of its dot products or
- * less. Chunks of up to 192 rows instead of 384 (scaled_mm on quantized inputs, AMD EPYC
+ * 2048), where all M rows at once (1 MiB per 256-k block at M = 2048) streamed from L3
+ * (M = 2048, 4096 x 4096, 2 threads: 87 ms per call before, 77 ms after). Each chunk
+ * widens the weight panels again: 1/192 of its dot products or less. Chunks of up to 192 rows instead of 384 (scaled_mm on quantized inputs, AMD EPYC
  * Zen 4, 2 threads, medians of 4-6 rounds alternated in one process, bit-identical): M =
  * 2048 1.02-1.03x faster on 4096 x 4096, 576 x 576 and 1536 x 576 in the host's calm
  * periods, 1.13-1.19x in its slow ones (where 384-row chunks fell to 0.32-0.35 TFLOP/s);
