@@ -361,12 +361,13 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
  * sums stay in cache between panels (192 x K bf16 with whole-K panels: 768 KiB at K =
  * 2048), where all M rows at once (1 MiB per 256-k block at M = 2048) streamed from L3
  * (M = 2048, 4096 x 4096, 2 threads: 87 ms per call before, 77 ms after). Each chunk
- * widens the weight panels again: 1/192 of its dot products or less. Chunks of up to 192 rows instead of 384 (scaled_mm on quantized inputs, AMD EPYC
- * Zen 4, 2 threads, medians of 4-6 rounds alternated in one process, bit-identical): M =
- * 2048 1.02-1.03x faster on 4096 x 4096, 576 x 576 and 1536 x 576 in the host's calm
- * periods, 1.13-1.19x in its slow ones (where 384-row chunks fell to 0.32-0.35 TFLOP/s);
- * M = 512 (two chunks of 128 rows per thread instead of one of 256) 0.98-1.02x; one
- * thread at M = 2048 0.98-0.99x. */
+ * widens the weight panels again: 1/192 of its dot products or less. Chunks of up to
+ * 192 rows instead of 384 (scaled_mm on quantized inputs, AMD EPYC Zen 4, 2 threads,
+ * medians of 4-6 rounds alternated in one process, bit-identical): M = 2048 1.02-1.03x
+ * faster on 4096 x 4096, 576 x 576 and 1536 x 576 in the host's calm periods,
+ * 1.13-1.19x in its slow ones (where 384-row chunks fell to 0.32-0.35 TFLOP/s); M = 512
+ * (two chunks of 128 rows per thread instead of one of 256) 0.98-1.02x; one thread at
+ * M = 2048 0.98-0.99x. */
 BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
                                     uint8_t* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) {
   const int64_t groups = (m_end - m_begin + TILE_LANES - 1) / TILE_LANES;
@@ -557,7 +558,8 @@ int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan) {
   const int64_t k_blocks = (plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
   const int64_t compute = plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS
                               ? groups * k_blocks * (int64_t)sizeof(__m512)
-                              : tile_panel_bytes(plan->k_padded) + TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
+                              : tile_panel_bytes(plan->k_padded) +
+                                    TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
   const int64_t prepare = TILE_LANES * plan->k_padded * (int64_t)sizeof(uint16_t);
   return compute > prepare ? compute : prepare;
 }
