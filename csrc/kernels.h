@@ -201,6 +201,19 @@ static inline FP8_HOST_DEVICE float fp8_power_of_two_ceil(float scale) {
 /* Bytes per element of a float dtype: 4 for float32, 2 for bf16 and fp16. */
 static inline FP8_HOST_DEVICE int64_t fp8_float_bytes(fp8_float_dtype dtype) { return dtype == FP8_FLOAT32 ? 4 : 2; }
 
+/* The call restricted to rows [m0, m1) of a, scale_a (and fold_a) and out: the CUDA
+ * launcher's parts of a call over 2^20 rows, the CPU bindings' tail rows. */
+static inline fp8_scaled_mm_params fp8_scaled_mm_rows(const fp8_scaled_mm_params* p, int64_t m0, int64_t m1) {
+  fp8_scaled_mm_params part = *p;
+  const int64_t a_bytes = p->a_is_float ? fp8_float_bytes(p->a_float_dtype) : 1;
+  part.a = (const char*)p->a + m0 * p->a_row_stride * a_bytes;
+  part.out = (char*)p->out + m0 * p->out_row_stride * fp8_float_bytes(p->out_dtype);
+  part.scale_a = p->scale_a + (p->scale_a_blocked ? m0 * p->scale_a_row_stride : p->scale_a_per_row ? m0 : 0);
+  if (p->fold_a) part.fold_a = p->fold_a + m0 * p->fold_k_blocks;
+  part.m = m1 - m0;
+  return part;
+}
+
 /* Whether either scale varies along K (block-wise scaling). */
 static inline FP8_HOST_DEVICE int fp8_k_blocked(const fp8_scaled_mm_params* p) {
   return p->scale_a_blocked || p->scale_b_blocked;

@@ -67,6 +67,57 @@ def test_tile_kernel_panel_and_chunk_bounds(m, k, cpu_variant):
     assert relative_error(out, reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())) <= 1e-5
 
 
+def _tail_operands(m, k, n, scheme, strided):
+    """a, b, scale_a, scale_b of one scheme; strided: a (and a per-row scale_a) every other
+    row of a larger tensor."""
+    x = torch.randn(2 * m if strided else m, k)
+    pick = (lambda t: t[::2]) if strided else (lambda t: t)
+    if scheme == "weight_only":
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k))
+        return pick(x.to(torch.bfloat16)), w.t(), torch.ones(()), scale_w
+    if scheme in ("block", "ue8m0"):
+        fmt = {"scale_fmt": "ue8m0"} if scheme == "ue8m0" else {}
+        a, scale_a = fp8linear.quantize_fp8(x, granularity="group", **fmt)
+        w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block", **fmt)
+        return pick(a), w.t(), pick(scale_a), scale_w.t()
+    per_row = scheme == "row"
+    a, scale_a = fp8linear.quantize_fp8(x, granularity="row" if per_row else "tensor")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="row" if per_row else "tensor")
+    return pick(a), w.t(), pick(scale_a) if per_row else scale_a, scale_w.t() if per_row else scale_w
+
+
+@pytest.mark.parametrize("m", [17, 24, 65, 72, 129, 264, 25])  # 16q + r; 25: r = 9 stays in the padded group
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
+    # On AVX512-BF16 the skinny and tile kernels work on groups of 16 rows; M = 16q + r
+    # with r <= 8 runs its last r rows as a call of their own (the dot or eight-row
+    # kernel): each part's rows, scales and output found at the right offsets
+    k, n = 300, 70
+    a, b, scale_a, scale_b = _tail_operands(m, k, n, scheme, strided)
+    assert a.is_contiguous() != strided
+    bias = torch.randn(n)
+    out = fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.float32)
+    if scheme == "weight_only":
+        exact = a.double() @ (b.double() * scale_b.double()) + bias.double()
+    else:
+        exact = reference.scaled_mm_float64(a, b, scale_a, scale_b, bias=bias)
+    assert relative_error(out, exact) <= 1e-5
+    main = m // 16 * 16
+    whole_plan = fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0]
+    if whole_plan != "bf16_tile" or m - main > 8:
+        return
+    # the split: each part is exactly that part's rows called alone
+    rows = lambda s, begin, end: s[begin:end] if s.dim() > 0 and s.shape[0] == m else s
+    for begin, end in ((0, main), (main, m)):
+        part = fp8linear.scaled_mm(a[begin:end], b, rows(scale_a, begin, end), scale_b, bias=bias,
+                                   out_dtype=torch.float32)
+        assert torch.equal(out[begin:end], part), (begin, end)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype),
+                           out.to(out_dtype))
+
+
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks
 @pytest.mark.parametrize("k, n", [(4097, 3), (96, 4097), (576, 1536), (7000, 9)])
 def test_decode_and_prefill_sizes(m, k, n, cpu_variant):

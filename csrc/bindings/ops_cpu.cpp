@@ -308,20 +308,10 @@ fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) 
   return plan;
 }
 
-at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
-                         at::ScalarType out_dtype) {
-  check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
-  check_scale_values(scale_a, "scale_a");
-  check_scale_values(scale_b, "scale_b");
-  const int64_t m = a.size(0), n = b.size(1);
-  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
-  advise_huge_pages(out);
-  if (m == 0 || n == 0) return out;
-  // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
-  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
-  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const fp8_scaled_mm_params given = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
+// One call's plan run over torch's thread pool: the plan's memory, folded block scales,
+// the activations' prepare pass, then the output's tiles.
+void run_scaled_mm(const fp8_scaled_mm_params& given) {
+  const int64_t m = given.m, n = given.n;
   const int64_t threads = at::get_num_threads();
   const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, threads);
 #if defined(__SANITIZE_ADDRESS__)
@@ -368,6 +358,43 @@ at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Ten
 #if !defined(__SANITIZE_ADDRESS__)
   kernel_memory.release_once();
 #endif
+}
+
+// The AVX512-BF16 skinny and tile kernels work on groups of 16 rows, so M = 16q + r
+// pays for a whole group of padding rows for its last r rows. Up to kMaxTailRows of them
+// run as a call of their own (the dot kernel for r <= 4, the eight-row kernel for
+// r = 5-8), after the 16q rows.
+constexpr int64_t kMaxTailRows = 8;
+
+int64_t tail_rows(const fp8_scaled_mm_params& p) {
+  if (p.m <= 16) return 0;
+  const int64_t tail = p.m % 16;
+  if (tail == 0 || tail > kMaxTailRows) return 0;
+  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p);
+  return plan.method == FP8_MM_BF16_TILE ? tail : 0;
+}
+
+at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                         const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                         at::ScalarType out_dtype) {
+  check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
+  check_scale_values(scale_a, "scale_a");
+  check_scale_values(scale_b, "scale_b");
+  const int64_t m = a.size(0), n = b.size(1);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  advise_huge_pages(out);
+  if (m == 0 || n == 0) return out;
+  // Scales and bias are tiny; contiguous() copies only if a caller passed them strided.
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const fp8_scaled_mm_params given = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
+  const int64_t tail = tail_rows(given);
+  if (tail == 0) {
+    run_scaled_mm(given);
+  } else {
+    run_scaled_mm(fp8_scaled_mm_rows(&given, 0, m - tail));
+    run_scaled_mm(fp8_scaled_mm_rows(&given, m - tail, m));
+  }
   return out;
 }
 

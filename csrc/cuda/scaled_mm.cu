@@ -33,17 +33,6 @@ int capability(int major, int minor) { return major * 10 + minor; }
 // make at most 32768 of them. Larger calls are launched in parts of this many rows.
 constexpr int64_t kMaxLaunchRows = FP8_CUDA_MAX_LAUNCH_ROWS;
 
-// The call restricted to rows [m0, m1) of a, scale_a and out.
-fp8_scaled_mm_params rows_of(const fp8_scaled_mm_params* p, int64_t m0, int64_t m1) {
-  fp8_scaled_mm_params part = *p;
-  const int64_t a_bytes = p->a_is_float ? fp8_float_bytes(p->a_float_dtype) : 1;
-  part.a = static_cast<const char*>(p->a) + m0 * p->a_row_stride * a_bytes;
-  part.out = static_cast<char*>(p->out) + m0 * p->out_row_stride * fp8_float_bytes(p->out_dtype);
-  part.scale_a = p->scale_a + (p->scale_a_blocked ? m0 * p->scale_a_row_stride : p->scale_a_per_row ? m0 : 0);
-  part.m = m1 - m0;
-  return part;
-}
-
 // Our tensor-core kernels read 16 consecutive k-elements of each row of a and of each
 // column of b (a row of the [N, K] weight).
 bool k_contiguous(const fp8_scaled_mm_params* p) {
@@ -169,7 +158,7 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
   // (after the forced path's check: the whole call is refused or run, never a part of it)
   if (p->m > kMaxLaunchRows) {
     for (int64_t m0 = 0; m0 < p->m; m0 += kMaxLaunchRows) {
-      const fp8_scaled_mm_params part = rows_of(p, m0, std::min(p->m, m0 + kMaxLaunchRows));
+      const fp8_scaled_mm_params part = fp8_scaled_mm_rows(p, m0, std::min(p->m, m0 + kMaxLaunchRows));
       if ((error = fp8_cuda_scaled_mm_launch(&part, path, device, stream, workspace, used))) return error;
     }
     return nullptr;
