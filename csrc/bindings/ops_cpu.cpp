@@ -284,14 +284,22 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_blocks_cpu(const at::Tensor& x, 
 // threads, AMD EPYC Zen 4, by columns -> by rows, medians of 6-8 alternated rounds in one
 // process: M = 256 1536 x 576 1.08x faster, 4096 x 4096 1.07x, 14336 x 4096 1.06x, 4096 x
 // 14336 1.00x; M = 512 1.04-1.11x; M = 2048 1.02-1.04x. With 96 rows a thread (M = 192)
-// the Llama shapes ran 0.97-1.01x (the weight read twice over fewer rows), so it takes
-// 128. The AMX kernels keep the split by columns (not measured on an Intel Xeon).
+// the Llama shapes ran 0.97-1.01x (the weight read twice over fewer rows), so a weight
+// over kSmallWeightBytes takes 128 rows a thread. One a core's L2 holds is read again at
+// little cost: from 48 rows a thread, SmolLM2's four shapes (0.1-0.9 MB) ran 1.02-1.32x
+// faster at M = 96-224 (medians of 11 alternated rounds), where 2048 x 2048 and 896 x 4864
+// (4.2-4.4 MB) ran 0.98-1.01x and the Llama shapes 0.93-1.00x. The AMX kernels keep the
+// split by columns (not measured on an Intel Xeon).
 constexpr int64_t kRowsPerThreadForRowSplit = 128;
+constexpr int64_t kRowsPerThreadForRowSplitSmallWeight = 48;
+constexpr int64_t kSmallWeightBytes = int64_t{1} << 20;
 
-fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) {
+fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t k, int64_t threads) {
   if ((plan.method != FP8_MM_BF16_TILE && plan.method != FP8_MM_AMX) || threads <= 1) return plan;
   const int64_t groups = plan.m_padded / 16;
-  if (plan.method == FP8_MM_BF16_TILE && plan.m_padded / threads >= kRowsPerThreadForRowSplit) {
+  const int64_t row_split_rows = n * k <= kSmallWeightBytes ? kRowsPerThreadForRowSplitSmallWeight
+                                                           : kRowsPerThreadForRowSplit;
+  if (plan.method == FP8_MM_BF16_TILE && plan.m_padded / threads >= row_split_rows) {
     plan.tile_m = (groups + threads - 1) / threads * 16;  // prepare's 16-row blocks per thread
     return plan;
   }
@@ -313,7 +321,7 @@ fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t threads) 
 void run_scaled_mm(const fp8_scaled_mm_params& given) {
   const int64_t m = given.m, n = given.n;
   const int64_t threads = at::get_num_threads();
-  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, threads);
+  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, given.k, threads);
 #if defined(__SANITIZE_ADDRESS__)
   // The instrumented build (make sanitize) gives the workspace and each thread's scratch
   // buffers of their own, of exactly the sizes the plan asked for: in the one shared
