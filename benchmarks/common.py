@@ -66,7 +66,7 @@ def select_shapes(shapes: dict, keep: str | None) -> dict:
     return {name: shape for name, shape in shapes.items() if any(part in name for part in parts)}
 
 
-def plot_speedup(table, path, *, fp8_key: str, title: str, baseline_name: str) -> None:
+def plot_speedup(table, path, *, fp8_key: str, title: str, baseline_name: str, marker_size: float = 6) -> None:
     """Speedup of fp8linear over bf16 against M, one line per shape (dashed: unaligned).
 
     table rows are (shape name, N, K, M, {contender: seconds}); without matplotlib the
@@ -83,7 +83,7 @@ def plot_speedup(table, path, *, fp8_key: str, title: str, baseline_name: str) -
     for name in dict.fromkeys(entry[0] for entry in table):
         entries = [e for e in table if e[0] == name]
         axis.plot([e[3] for e in entries], [e[4]["bf16"] / e[4][fp8_key] for e in entries], marker="o",
-                  label=name, linestyle="--" if name.startswith("unaligned") else "-")
+                  markersize=marker_size, label=name, linestyle="--" if name.startswith("unaligned") else "-")
     axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("rows M (tokens in the batch)")

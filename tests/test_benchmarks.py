@@ -21,6 +21,18 @@ def test_bench_cpu_smoke(tmp_path):
     assert (tmp_path / "cpu-smoke.png").stat().st_size > 1000
 
 
+def test_bench_rows_smoke(tmp_path):
+    load_script("bench_rows").main(["--smoke", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "rows-smoke.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| smoke")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "17", "24"]
+    for row in rows:  # every time and ratio a positive number
+        cells = [cell.strip().strip("*").rstrip("x") for cell in row.strip("|").split("|")[2:]]
+        assert all(float(cell) > 0 for cell in cells), row
+    assert "slower than bf16" in table
+    assert (tmp_path / "rows-smoke.png").stat().st_size > 1000
+
+
 def test_bench_e2e_smoke(tmp_path):
     load_script("bench_e2e").main(["--smoke", "--output-dir", str(tmp_path)])
     table = (tmp_path / "e2e-smoke.md").read_text()
