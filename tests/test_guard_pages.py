@@ -71,8 +71,8 @@ def side(request):
     return request.param
 
 
-# M: 1 (dot), 2-4 (dot), 5-8 (eight-row; AMX: stream), 9-64 (skinny; AMX: 17-64 stream), more
-# (tiles/panels), and tails;
+# M: 1 (dot), 2-4 (dot), 5-8 (eight-row; AMX: stream), 9 (8 + 1 apart), 10-64 (skinny; AMX: 17-64 stream),
+# more (tiles/panels), and tails (17, 33, 65, 100: the last rows apart);
 # K and N: around 16, 32, 64 and 256.
 MM_SHAPES = [(1, 1, 1), (1, 17, 3), (1, 63, 65), (1, 300, 17), (2, 100, 17), (3, 1, 33), (4, 65, 16), (5, 129, 7),
              (7, 1, 33), (8, 64, 15), (9, 33, 15), (13, 257, 31), (16, 64, 1), (17, 31, 65), (33, 255, 17), (64, 200, 63),

@@ -33,12 +33,13 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [9, 16, 33, 64])
+@pytest.mark.parametrize("m", [10, 16, 41, 64])
 @pytest.mark.parametrize("k", [1, 63, 64, 65, 1025])
 @pytest.mark.parametrize("n", [1, 15, 17, 33])
 def test_skinny_kernel_tails(m, k, n, cpu_variant):
-    # 9..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64,
-    # each group of 16 rows in turn (33: a last group of one row)
+    # 10..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64,
+    # each group of 16 rows in turn (10, 41: a last group of 10 and 9 rows; 9 and 16q + 1..8
+    # rows run their last rows apart, test_tail_rows_run_apart)
     _check(*_operands(m, k, n))
 
 
@@ -86,13 +87,14 @@ def _tail_operands(m, k, n, scheme, strided):
     return pick(a), w.t(), pick(scale_a) if per_row else scale_a, scale_w.t() if per_row else scale_w
 
 
-@pytest.mark.parametrize("m", [17, 24, 65, 72, 129, 264, 25])  # 16q + r; 25: r = 9 stays in the padded group
+@pytest.mark.parametrize("m", [9, 17, 24, 65, 72, 129, 264, 25])  # 16q + r, 8 + 1; 25: r = 9 stays in the padded group
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
 @pytest.mark.parametrize("strided", [False, True])
 def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
     # On AVX512-BF16 the skinny and tile kernels work on groups of 16 rows; M = 16q + r
     # with r <= 8 runs its last r rows as a call of their own (the dot or eight-row
-    # kernel): each part's rows, scales and output found at the right offsets
+    # kernel), and M = 9 runs 8 + 1: each part's rows, scales and output found at the right
+    # offsets
     k, n = 300, 70
     a, b, scale_a, scale_b = _tail_operands(m, k, n, scheme, strided)
     assert a.is_contiguous() != strided
@@ -103,7 +105,7 @@ def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
     else:
         exact = reference.scaled_mm_float64(a, b, scale_a, scale_b, bias=bias)
     assert relative_error(out, exact) <= 1e-5
-    main = m // 16 * 16
+    main = 8 if m == 9 else m // 16 * 16
     whole_plan = fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0]
     if whole_plan != "bf16_tile" or m - main > 8:
         return
@@ -230,7 +232,7 @@ def test_nan_and_extremes_propagate(cpu_variant):
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("m", [3, 7, 9, 40, 90])  # the dot (M <= 4), eight-row, skinny (9..64) and tile kernels
+@pytest.mark.parametrize("m", [3, 7, 10, 40, 90])  # the dot (M <= 4), eight-row, skinny (10..64) and tile kernels
 # (K mod 64 = 13, 36, 32: rows widened 64 k at a time, the last ones partly)
 @pytest.mark.parametrize("k", [77, 100, 96])
 @pytest.mark.parametrize("strided", [False, True])
