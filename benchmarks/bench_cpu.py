@@ -23,13 +23,11 @@ with a note, so the run finishes on any CPU.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,8 @@ from fp8linear import reference
 from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
-from common import CPU_FLAGS_OF_INTEREST, MODEL_SHAPES, RESULTS, cpu_description, plot_speedup, select_shapes  # noqa: E402
+from common import (CPU_FLAGS_OF_INTEREST, MODEL_SHAPES, cpu_benchmark_parser, plot_speedup,  # noqa: E402
+                    select_shapes, setup_cpu_benchmark)
 
 SHAPES = MODEL_SHAPES
 ROWS = (1, 2, 4, 8, 16, 64, 256, 2048)
@@ -315,30 +314,20 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks the script runs")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser = cpu_benchmark_parser(__doc__, "cpu", "tiny sizes, one repetition: checks the script runs")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
-    parser.add_argument("--name", default=None,
-                        help="results file name without suffix (default: cpu-FAMILY, e.g. cpu-intel-amx, cpu-amd-zen5)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--extra-path", type=pathlib.Path, default=None,
                         help="a folder with torchao installed (make bench puts it in .venv/bench-extras)")
     args = parser.parse_args(argv)
-    args.cpu = cpu_description()
-    args.name = args.name or f"cpu-{args.cpu['family']}"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
+    setup_cpu_benchmark(args, "cpu")
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = select_shapes(SHAPES, args.shapes)
     if args.smoke:
         shapes = {"smoke 96x80": (96, 80), "smoke 40x136": (40, 136)}
         rows_list = [1, 17]
         args.repeats = 1
-        args.name = "cpu-smoke"
     args.probe_gb = 0.05 if args.smoke else 2.0
     args.quantize_elements = (1 << 16) if args.smoke else (64 << 20)
     start = time.perf_counter()

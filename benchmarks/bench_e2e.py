@@ -15,18 +15,16 @@ CPU family, so that a run on one CPU never replaces another's.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import RESULTS, cpu_description  # noqa: E402
+from common import cpu_benchmark_parser, setup_cpu_benchmark  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear.backend import cpu_kernel_variant  # noqa: E402
@@ -124,24 +122,15 @@ def write_results(args, results, elapsed) -> pathlib.Path:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model, few rounds: checks the script runs")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser = cpu_benchmark_parser(__doc__, "e2e", "a tiny random model, few rounds: checks the script runs")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15, help="prefill rounds")
     parser.add_argument("--decode-rounds", type=int, default=5)
-    parser.add_argument("--name", default=None, help="results file name without suffix (default: e2e-FAMILY)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    args.cpu = cpu_description()
+    setup_cpu_benchmark(args, "e2e")
     if args.smoke:
         args.prompt_tokens, args.new_tokens, args.rounds, args.decode_rounds = 64, 4, 2, 1
-        args.name = "e2e-smoke"
-    args.name = args.name or f"e2e-{args.cpu['family']}"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
     start = time.perf_counter()
     results = run(args)
     path = write_results(args, results, time.perf_counter() - start)

@@ -17,13 +17,11 @@ bench_cpu.py).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +31,7 @@ from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
 from bench_cpu import MIN_SAMPLE_SECONDS, median_time  # noqa: E402
-from common import MODEL_SHAPES, RESULTS, cpu_description, plot_speedup, select_shapes  # noqa: E402
+from common import MODEL_SHAPES, cpu_benchmark_parser, plot_speedup, select_shapes, setup_cpu_benchmark  # noqa: E402
 
 SHAPES = {name: MODEL_SHAPES[name] for name in ("Llama-3-8B q/o 4096x4096", "SmolLM2 up/gate 1536x576")}
 ROWS = sorted(set(range(1, 41)) | {r + d for r in range(48, 521, 16) for d in (-1, 0, 1, 8)})
@@ -117,27 +115,18 @@ def write_results(args, table, elapsed):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks the script runs")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser = cpu_benchmark_parser(__doc__, "rows", "tiny sizes, one repetition: checks the script runs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default=None, help="comma-separated M (default: 1-40 and around each 16 to 520)")
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to keep")
-    parser.add_argument("--name", default=None, help="results file name without suffix (default: rows-FAMILY)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    args.cpu = cpu_description()
-    args.name = args.name or f"rows-{args.cpu['family']}"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
+    setup_cpu_benchmark(args, "rows")
     rows_list = [int(r) for r in args.rows.split(",")] if args.rows else ROWS
     shapes = select_shapes(SHAPES, args.shapes)
     if args.smoke:
         shapes = {"smoke 96x80": (96, 80)}
         rows_list = [1, 17, 24]
         args.repeats = 1
-        args.name = "rows-smoke"
     start = time.perf_counter()
     table = []
     for name, (n, k) in shapes.items():

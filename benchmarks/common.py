@@ -1,6 +1,7 @@
 """What the CPU and CUDA benchmarks share: the model shapes and the speedup plot."""
 from __future__ import annotations
 
+import argparse
 import pathlib
 import platform
 
@@ -56,6 +57,35 @@ def cpu_description() -> dict:
         family = platform.machine().lower() or "cpu"
     return {"model": model, "vendor": vendor, "family": family,
             "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
+
+
+def cpu_benchmark_parser(doc: str, prefix: str, smoke_help: str) -> argparse.ArgumentParser:
+    """The options the CPU benchmarks share: --smoke, --threads, --name (default
+    PREFIX-FAMILY) and --output-dir; each script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--name", default=None,
+                        help=f"results file name without suffix (default: {prefix}-FAMILY, e.g. {prefix}-intel-amx, "
+                             f"{prefix}-amd-zen5)")
+    parser.add_argument("--output-dir", type=pathlib.Path, default=RESULTS)
+    return parser
+
+
+def setup_cpu_benchmark(args, prefix: str) -> None:
+    """After parsing: args.cpu (cpu_description), args.name (PREFIX-smoke with --smoke,
+    else --name or PREFIX-FAMILY), the thread count, and FP8Linear's path warning off."""
+    import warnings
+
+    import torch
+
+    import fp8linear
+
+    args.cpu = cpu_description()
+    args.name = f"{prefix}-smoke" if args.smoke else args.name or f"{prefix}-{args.cpu['family']}"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
 
 
 def select_shapes(shapes: dict, keep: str | None) -> dict:
