@@ -23,6 +23,59 @@ def test_c_kernels_compile_as_c_and_as_cpp(compiler, flags):
         assert result.returncode == 0, f"{source.name} with {compiler}:\n{result.stderr}"
 
 
+
+# On CPUs other than x86-64 (aarch64: AWS Graviton, Ampere, Apple silicon under Linux) the
+# extension builds with the scalar kernels alone: the x86 files compile to nothing
+# (FP8_X86_KERNELS in cpu_internal.h) and the dispatch leaves them out. zig (the ziglang
+# wheel, in requirements-dev.txt) cross-compiles for aarch64 with its own libc headers.
+AARCH64 = "aarch64-linux-gnu"
+# the CPU kernels' entry points the bindings call, which an aarch64 build must define
+CPU_ENTRY_POINTS = {"fp8_cpu_scaled_mm", "fp8_cpu_scaled_mm_plan", "fp8_cpu_scaled_mm_prepare", "fp8_cpu_scaled_mm_fold",
+                    "fp8_cpu_quantize", "fp8_cpu_quantize_groups", "fp8_cpu_row_amax", "fp8_cpu_read_probe",
+                    "fp8_cpu_set_variant", "fp8_cpu_active_variant", "fp8_cpu_amx_status"}
+
+
+def zig_command():
+    pytest.importorskip("ziglang", reason="the aarch64 build check needs zig: pip install ziglang")
+    return [sys.executable, "-m", "ziglang"]
+
+
+def run_zig(args, what):
+    result = subprocess.run([*zig_command(), *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{what}:\n{result.stderr[-4000:]}"
+
+
+def test_cpu_kernels_build_for_aarch64(tmp_path):
+    objects = []
+    for source in C_SOURCES:
+        objects.append(tmp_path / f"{source.stem}.o")
+        run_zig(["cc", "-target", AARCH64, "-std=c11", "-O1", "-g0", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+                 "-fno-strict-aliasing", "-I", ROOT / "csrc", "-c", source, "-o", objects[-1]], f"{source.name} for aarch64")
+    library = tmp_path / "libkernels.so"
+    # -z defs: every symbol the kernels use is defined (no call into an x86 file left behind)
+    run_zig(["cc", "-target", AARCH64, "-shared", "-Wl,-z,defs", "-o", library, *objects, "-lm"], "linking for aarch64")
+    assert library.read_bytes()[18:20] == (183).to_bytes(2, "little")  # ELF e_machine: EM_AARCH64
+    symbols = set(re.findall(rb"fp8_[a-z0-9_]+", library.read_bytes()))
+    assert {name.encode() for name in CPU_ENTRY_POINTS} <= symbols
+    # the x86 kernels are absent, not stubbed
+    assert not symbols & {b"fp8_bf16_compute", b"fp8_amx_compute", b"fp8_avx2_compute", b"fp8_span_amax_avx512",
+                          b"fp8_span_quantize_vbmi", b"fp8_span_quantize_avx2"}
+
+
+def test_bindings_compile_for_aarch64(tmp_path):
+    # the bindings have no ISA-specific code; this keeps it so (torch's headers are the same
+    # on every CPU; Python's pyconfig.h is x86-64's here, which is also LP64)
+    from torch.utils import cpp_extension
+    import sysconfig
+
+    includes = [f"-I{path}" for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], ROOT / "csrc"]]
+    for source in sorted((ROOT / "csrc" / "bindings").glob("*.cpp")):
+        if source.name.endswith("_cuda.cpp"):
+            continue
+        run_zig(["c++", "-target", AARCH64, "-std=c++17", "-O0", "-Wno-unknown-pragmas", "-DTORCH_EXTENSION_NAME=_C",
+                 "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-c", source, "-o", tmp_path / f"{source.stem}.o"],
+                f"{source.name} for aarch64")
+
 def test_no_native_arch_flags():
     for path in [ROOT / "setup.py", *ROOT.glob("csrc/**/*")]:
         if path.is_file():

@@ -15,7 +15,7 @@ typedef struct {
   const char* amx_status;           /* "" when AMX is usable, else why not */
 } cpu_features;
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if FP8_X86_KERNELS
 #include <cpuid.h>
 
 #if defined(__linux__)

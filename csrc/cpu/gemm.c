@@ -102,7 +102,9 @@ enum { DOT_MAX_ROWS = 4 };
 enum { AMX_DOT_MAX_WORK = 2 << 20 };
 
 
+#if FP8_X86_KERNELS
 static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+#endif
 
 fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
   fp8_cpu_mm_plan plan;
@@ -117,9 +119,10 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
   /* The fast kernels stream each weight row (output column) as K contiguous bytes,
    * the layout of a Linear weight passed as w.t(). */
   const int weight_rows_contiguous = p->b_row_stride == 1 || p->k == 1;
+  if (p->k == 0 || !weight_rows_contiguous) return plan;
+#if FP8_X86_KERNELS
   /* bf16 dot products are exact for fp8 and bf16 activations only. */
   const int activations_fit_bf16 = !p->a_is_float || p->a_float_dtype == FP8_BFLOAT16;
-  if (p->k == 0 || !weight_rows_contiguous) return plan;
   const int amx = plan.variant == FP8_CPU_AMX || plan.variant == FP8_CPU_AMX_EMULATED;
   if (plan.variant >= FP8_CPU_AVX512_BF16 && activations_fit_bf16) {
     plan.k_padded = round_up(p->k, 64);
@@ -183,17 +186,22 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.scratch_bytes = fp8_avx2_scratch_bytes(&plan);
     }
   }
+#endif
   return plan;
 }
 
 void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                                void* scratch, int64_t m_begin, int64_t m_end) {
+#if FP8_X86_KERNELS
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
     fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
   else if (plan->method == FP8_MM_AVX2_PANEL)
     fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
     fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p));
+#else
+  (void)p, (void)plan, (void)workspace, (void)scratch, (void)m_begin, (void)m_end; /* the scalar kernel reads a as it is */
+#endif
 }
 
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
@@ -201,11 +209,13 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
   if (m_end > p->m) m_end = p->m;
   if (m_begin >= m_end || n_begin >= n_end) return;
   switch (plan->method) {
+#if FP8_X86_KERNELS
     case FP8_MM_BF16_DOT:
     case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_AMX: fp8_amx_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_FLOAT_DOT:
     case FP8_MM_AVX2_PANEL: fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
+#endif
     default: scaled_mm_scalar(p, m_begin, m_end, n_begin, n_end); break;
   }
 }

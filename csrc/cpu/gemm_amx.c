@@ -40,6 +40,9 @@
  * thread (bf16 nn.Linear) finds what it left. The per-process permission is requested
  * once in cpu_features.c, which selects this variant only if it was granted.
  */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include "amx_kernels.h"
 
 enum {
@@ -290,3 +293,5 @@ void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
     amx_compute_emulated(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   }
 }
+
+#endif /* FP8_X86_KERNELS */

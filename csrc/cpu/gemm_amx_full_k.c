@@ -1,6 +1,9 @@
 /* scaled_mm with AMX for M > 64 at K <= FP8_AMX_FULL_K_MAX: the full-K kernel. The tiles
  * are configured, and the layouts described, in gemm_amx.c; the weight panels and the
  * tile step it shares with the panel kernel are in amx_kernels.h. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include "amx_kernels.h"
 
 enum {
@@ -153,3 +156,5 @@ BF16_TARGET void fp8_amx_full_k_emulated(const fp8_scaled_mm_params* p, const fp
                                          int64_t n_begin, int64_t n_end, amx_model* model) {
   amx_full_k(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, 1, model);
 }
+
+#endif /* FP8_X86_KERNELS */

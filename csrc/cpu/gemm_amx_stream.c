@@ -12,6 +12,9 @@
  * instead of one), two groups in C0, C1 (low) and C2, C3 (high); three or four groups
  * have one C tile each, and a step runs all groups' low halves, then all high halves,
  * so that the products on one C tile are apart. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include <string.h>
 
 #include "amx_kernels.h"
@@ -233,3 +236,5 @@ BF16_TARGET void fp8_amx_stream_emulated(const fp8_scaled_mm_params* p, const fp
                                          int64_t n_begin, int64_t n_end, amx_model* model) {
   amx_stream(p, plan, packed, scratch, m_begin, m_end, n_begin, n_end, 1, model);
 }
+
+#endif /* FP8_X86_KERNELS */

@@ -54,6 +54,9 @@
  *   128 weight rows at a time, so that each K panel of the activations is read from memory
  *   once per 128 weight rows.
  * Both sum per block of FP8_SCALE_BLOCK k when a scale varies along K (block-wise). */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include "avx2_kernels.h"
 
 /* What the float32 route's activations carry, and its sums are multiplied back by. */
@@ -361,3 +364,5 @@ AVX2_TARGET void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
     dot_rows(p, plan, a, m_begin, m_end, n_begin, n_end, FP8_E4M3FN, 0); /* e4m3fn against float activations */
   }
 }
+
+#endif /* FP8_X86_KERNELS */

@@ -1,5 +1,8 @@
 /* The AVX2 panel kernel (FP8_MM_AVX2_PANEL): gemm_avx2.c describes both AVX2 kernels and
  * the float16 route this one widens by; this file is its code. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include "avx2_kernels.h"
 
 /* Weight rows whose sums are kept while each panel of FP8_AVX2_KC k passes over them:
@@ -332,3 +335,5 @@ AVX2_TARGET void fp8_avx2_panel_compute(const fp8_scaled_mm_params* p, const fp8
   if (p->b_format == FP8_E5M2) panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E5M2, wide);
   else panel_compute(p, plan, a, scratch, m_begin, m_end, n_begin, n_end, FP8_E4M3FN, wide);
 }
+
+#endif /* FP8_X86_KERNELS */

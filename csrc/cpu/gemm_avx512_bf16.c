@@ -26,6 +26,9 @@
  * products it adds as much), so the kernels are shaped to widen each weight as few
  * times as possible and never in long runs of their own.
  */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -592,3 +595,5 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
     tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   }
 }
+
+#endif /* FP8_X86_KERNELS */

@@ -2,6 +2,9 @@
  * against every activation row, held widened in the workspace (fp8_bf16_prepare), with
  * 16 partial sums per output reduced at the end. gemm_avx512_bf16.c says how the
  * AVX512-BF16 kernels widen fp8 and when each runs. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include <string.h>
 
 #include "bf16_widen.h"
@@ -195,3 +198,5 @@ BF16_TARGET void fp8_bf16_dot_compute(const fp8_scaled_mm_params* p, const fp8_c
   }
   for (; n < n_end; ++n) DOT_ROW_BLOCKS(1, NULL) /* (more than 4 rows: the columns left by 4) */
 }
+
+#endif /* FP8_X86_KERNELS */

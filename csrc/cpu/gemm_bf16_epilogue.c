@@ -2,6 +2,9 @@
  * sums kept by output column (fp8_sums_layout, cpu_internal.h) -> out, scaled, biased and
  * rounded once to out's dtype, 16 x 16 at a time, transposed in registers so that each
  * output row is written with one (masked) vector store. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include "bf16_widen.h"
 
 /* In-register transpose of 16 x 16 16-bit values held two rows to a register (24 byte
@@ -157,3 +160,4 @@ BF16_TARGET void fp8_bf16_tile_epilogue(const fp8_scaled_mm_params* p, const flo
     for (int64_t c0 = 0; c0 < cols; c0 += 16) tile_epilogue16(p, sums, layout, m_begin, m_end, n0, cols, r0, c0);
 }
 
+#endif /* FP8_X86_KERNELS */

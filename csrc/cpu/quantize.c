@@ -24,20 +24,28 @@ void fp8_span_quantize_scalar(const void* x, fp8_float_dtype dtype, int64_t n, f
 }
 
 static fp8_span_amax_fn pick_amax(void) {
+#if FP8_X86_KERNELS
   switch (fp8_cpu_active_variant()) {
     case FP8_CPU_SCALAR: return fp8_span_amax_scalar;
     case FP8_CPU_AVX2: return fp8_span_amax_avx2;
     default: return fp8_span_amax_avx512;
   }
+#else
+  return fp8_span_amax_scalar;
+#endif
 }
 
 static fp8_span_quantize_fn pick_quantize(void) {
+#if FP8_X86_KERNELS
   switch (fp8_cpu_active_variant()) {
     case FP8_CPU_SCALAR: return fp8_span_quantize_scalar;
     case FP8_CPU_AVX2: return fp8_span_quantize_avx2;
     case FP8_CPU_AVX512: return fp8_span_quantize_avx512;
     default: return fp8_span_quantize_vbmi; /* avx512_bf16 and the AMX variants have VBMI */
   }
+#else
+  return fp8_span_quantize_scalar;
+#endif
 }
 
 void fp8_cpu_row_amax(const fp8_quantize_params* p, int64_t row_begin, int64_t row_end,
@@ -84,6 +92,7 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
   const fp8_span_quantize_fn span_quantize = pick_quantize();
   const int64_t size = fp8_float_bytes(p->x_dtype);
   const int64_t groups = (p->cols + group - 1) / group;
+#if FP8_X86_KERNELS
   /* AVX-512: a row at a time, all its amaxes, then all its scales, then all its codes
    * (up to CHUNK groups at a time); the others group by group */
   const int whole_rows = fp8_cpu_active_variant() >= FP8_CPU_AVX512;
@@ -96,10 +105,12 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
       fp8_cpu_active_variant() >= FP8_CPU_AVX512_BF16 ? fp8_span_quantize_groups_vbmi : fp8_span_quantize_groups_avx512;
   enum { CHUNK = 256 };
   uint32_t amax_bits[CHUNK];
+#endif
   for (int64_t r = row_begin; r < row_end; ++r) {
     const char* row = (const char*)p->x + r * p->x_row_stride * size;
     uint8_t* q = p->q + r * p->cols;
     float* row_scales = scales + r * groups;
+#if FP8_X86_KERNELS
     if (whole_rows) {
       for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) {
         const int64_t c0 = g0 * group, n = p->cols - c0 < CHUNK * group ? p->cols - c0 : CHUNK * group;
@@ -111,6 +122,7 @@ void fp8_cpu_quantize_groups(const fp8_quantize_params* p, int64_t row_begin, in
       }
       continue;
     }
+#endif
     for (int64_t g = 0, c = 0; g < groups; ++g, c += group) {
       const int64_t n = p->cols - c < group ? p->cols - c : group;
       if (dynamic) row_scales[g] = scale_of(fp8_bits_float(span_amax(row + c * size, p->x_dtype, n)), p->format);

@@ -1,8 +1,9 @@
 /* quantize_fp8 inner loops with AVX2 + FMA + F16C: 8 elements a step, the same
  * lane-wise encoding as the AVX-512 file. Tails go to the scalar loop. */
-#include <immintrin.h>
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
 
-#include "cpu_internal.h"
+#include <immintrin.h>
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -76,3 +77,5 @@ AVX2_TARGET void fp8_span_quantize_avx2(const void* x, fp8_float_dtype dtype, in
   fp8_span_quantize_scalar((const char*)x + i * fp8_float_bytes(dtype), dtype, n - i,
                            scale, q + i, format);
 }
+
+#endif /* FP8_X86_KERNELS */

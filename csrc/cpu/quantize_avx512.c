@@ -1,9 +1,10 @@
 /* quantize_fp8 inner loops with AVX-512 (F, BW, VL, DQ): 16 elements a step.
  * The encoding is the scalar encoder of fp8.h done lane-wise on the float bits,
  * so both round once, to nearest even, from the float32 quotient. */
-#include <immintrin.h>
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
 
-#include "cpu_internal.h"
+#include <immintrin.h>
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 
@@ -209,3 +210,5 @@ AVX512_TARGET void fp8_span_quantize_groups_avx512(const void* x, fp8_float_dtyp
   for (int64_t i = 0, g = 0; i < n; i += group, ++g)
     quantize_span((const char*)x + i * size, dtype, n - i < group ? n - i : group, scales[g], q + i, &c);
 }
+
+#endif /* FP8_X86_KERNELS */

@@ -32,10 +32,11 @@
  *
  * Speed (Intel Xeon with AMX, 2 threads, per-tensor scales, M = 128-2048 rows of 576-4096):
  * 1.6-1.8x the division kernel; per-row scales 1.2-1.6x. */
+#include "cpu_internal.h" /* FP8_X86_KERNELS */
+#if FP8_X86_KERNELS /* the whole file: x86-64 only */
+
 #include <immintrin.h>
 #include <string.h>
-
-#include "cpu_internal.h"
 
 #define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 
@@ -214,3 +215,5 @@ VBMI_TARGET void fp8_span_quantize_groups_vbmi(const void* x, fp8_float_dtype dt
   for (int64_t i = 0, g = 0; i < n; i += group, ++g)
     quantize_by_table(in + i, n - i < group ? n - i : group, scales[g], &c, q + i, format);
 }
+
+#endif /* FP8_X86_KERNELS */

@@ -1,9 +1,10 @@
 /* A memory read loop for the benchmarks: reads every byte once with the widest
  * loads the CPU has, so that "GB/s" figures of the kernels can be compared with
  * what this machine's memory delivers, measured in the same run. */
-#include <immintrin.h>
-
 #include "cpu_internal.h"
+
+#if FP8_X86_KERNELS
+#include <immintrin.h>
 
 __attribute__((target("avx512f"))) static uint64_t read_avx512(const uint8_t* data, int64_t bytes) {
   __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
@@ -25,6 +26,7 @@ __attribute__((target("avx512f"))) static uint64_t read_avx512(const uint8_t* da
   for (; i < bytes; ++i) checksum ^= data[i];
   return checksum;
 }
+#endif
 
 static uint64_t read_scalar(const uint8_t* data, int64_t bytes) {
   uint64_t checksum = 0;
@@ -39,6 +41,8 @@ static uint64_t read_scalar(const uint8_t* data, int64_t bytes) {
 }
 
 uint64_t fp8_cpu_read_probe(const void* data, int64_t bytes) {
-  return fp8_cpu_active_variant() >= FP8_CPU_AVX512 ? read_avx512((const uint8_t*)data, bytes)
-                                                    : read_scalar((const uint8_t*)data, bytes);
+#if FP8_X86_KERNELS
+  if (fp8_cpu_active_variant() >= FP8_CPU_AVX512) return read_avx512((const uint8_t*)data, bytes);
+#endif
+  return read_scalar((const uint8_t*)data, bytes);
 }
