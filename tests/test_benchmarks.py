@@ -26,9 +26,10 @@ def test_bench_rows_smoke(tmp_path):
     table = (tmp_path / "rows-smoke.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| smoke")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "17", "24"]
-    for row in rows:  # every time and ratio a positive number
-        cells = [cell.strip().strip("*").rstrip("x") for cell in row.strip("|").split("|")[2:]]
-        assert all(float(cell) > 0 for cell in cells), row
+    for row in rows:  # every time and ratio a positive number; TFLOP/s (last) a number, which a
+        # 96 x 80 layer at M = 1 can round to 0.000 when the host is slow
+        cells = [float(cell.strip().strip("*").rstrip("x")) for cell in row.strip("|").split("|")[2:]]
+        assert all(cell > 0 for cell in cells[:-1]) and cells[-1] >= 0, row
     assert "slower than bf16" in table
     assert (tmp_path / "rows-smoke.png").stat().st_size > 1000
 
