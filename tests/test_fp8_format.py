@@ -30,14 +30,16 @@ def test_every_code_decodes_exactly(dtype, cpu_variant):
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("k", [1, 80])
-def test_every_weight_code_decodes_exactly(dtype, k, cpu_variant):
+@pytest.mark.parametrize("m", [3, 8, 40, 300])  # (AVX512-BF16) dot, eight-row, skinny, tile kernels
+@pytest.mark.parametrize("activations", ["fp8", "bf16"])  # W8A8, weight-only
+def test_every_weight_code_decodes_exactly(dtype, k, m, activations, cpu_variant):
     # the weight side, in a Linear weight's layout (b = w.t(), rows of w contiguous): w's row
     # n holds code n at k-index n % k and zeros elsewhere, so with a = ones each output is
     # that code's value (k = 80: the codes spread over a row, and a tail past 64)
     codes = torch.arange(256, dtype=torch.uint8)
     w = torch.zeros(256, k, dtype=torch.uint8)
     w[torch.arange(256), torch.arange(256) % k] = codes
-    a = torch.ones(3, k).to(dtype)
+    a = torch.ones(m, k).to(dtype if activations == "fp8" else torch.bfloat16)
     unit = torch.ones(())
     out = fp8linear.scaled_mm(a, w.view(dtype).t(), unit, unit, out_dtype=torch.float32)
     expected = torch.from_numpy(np.arange(256, dtype=np.uint8).view(ML_DTYPES[dtype]).astype(np.float32))

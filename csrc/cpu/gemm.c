@@ -67,10 +67,11 @@ static void scaled_mm_scalar(const fp8_scaled_mm_params* p, int64_t m_begin, int
   const float* decode_a = fp8_decode_table(p->a_format);
   const float* decode_b = fp8_decode_table(p->b_format);
   const int64_t k = p->k;
-  float* a_block = (float*)malloc(sizeof(float) * (size_t)(SCALAR_ROW_BLOCK * k + k + 1));
-  float* b_column = a_block + SCALAR_ROW_BLOCK * k;
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += SCALAR_ROW_BLOCK) {
-    const int64_t rows = m_end - m0 < SCALAR_ROW_BLOCK ? m_end - m0 : SCALAR_ROW_BLOCK;
+  const int64_t block_rows = m_end - m_begin < SCALAR_ROW_BLOCK ? m_end - m_begin : SCALAR_ROW_BLOCK;
+  float* a_block = (float*)malloc(sizeof(float) * (size_t)(block_rows * k + k + 1));
+  float* b_column = a_block + block_rows * k;
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += block_rows) {
+    const int64_t rows = m_end - m0 < block_rows ? m_end - m0 : block_rows;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = 0; i < k; ++i) {
         const int64_t offset = (m0 + r) * p->a_row_stride + i * p->a_col_stride;
