@@ -7,7 +7,7 @@
 
 /* Every kernel variant but the scalar one is x86-64 code (intrinsics, CPUID, AMX), and is
  * compiled on x86-64 only: each such file is wrapped in #if FP8_X86_KERNELS, and the
- * dispatch in gemm.c and quantize.c leaves them out elsewhere. On other CPUs (aarch64,
+ * dispatch in gemm.c, quantize.c and read_probe.c leaves them out elsewhere. On other CPUs (aarch64,
  * ...) the extension builds with the scalar kernels alone, which cpu_features.c reports
  * as the best variant (tests/test_build.py compiles csrc/cpu for aarch64). */
 #if defined(__x86_64__) || defined(_M_X64)
