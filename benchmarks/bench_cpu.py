@@ -23,7 +23,6 @@ with a note, so the run finishes on any CPU.
 """
 from __future__ import annotations
 
-import datetime
 import pathlib
 import statistics
 import sys
@@ -37,7 +36,7 @@ from fp8linear import reference
 from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
-from common import (CPU_FLAGS_OF_INTEREST, MODEL_SHAPES, cpu_benchmark_parser, plot_speedup,  # noqa: E402
+from common import (MODEL_SHAPES, cpu_benchmark_parser, cpu_results_header, plot_speedup,  # noqa: E402
                     select_shapes, setup_cpu_benchmark)
 
 SHAPES = MODEL_SHAPES
@@ -264,12 +263,7 @@ def write_results(args, table, bandwidth, quantize, torchao_note, notes, elapsed
     lines = [
         "# CPU benchmark: FP8Linear vs nn.Linear (bf16, fp32), torch._scaled_mm, torchao",
         "",
-        f"Command: `{' '.join([pathlib.Path(sys.executable).name, *sys.argv])}`  ",
-        f"CPU: {args.cpu['model']} ({args.cpu['vendor'] or 'unknown vendor'}; flags: "
-        f"{' '.join(args.cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS_OF_INTEREST)}); results family "
-        f"`{args.cpu['family']}`.  ",
-        f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"fp8linear CPU kernels: {native().cpu_variant()}; run took {elapsed / 60:.1f} min.  ",
+        *cpu_results_header(args, elapsed),
         f"Measured read bandwidth (all threads, {args.probe_gb:g} GB of random bytes, median of {args.probe_repeats} passes): "
         f"**{bandwidth:.1f} GB/s** ({args.probe_note}). This host's bandwidth changes by up to 2x from "
         "one minute to the next, so the % column compares each M = 1 layer with the same read probe run on "

@@ -24,10 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import cpu_benchmark_parser, setup_cpu_benchmark  # noqa: E402
+from common import cpu_benchmark_parser, cpu_results_header, setup_cpu_benchmark  # noqa: E402
 
 import fp8linear  # noqa: E402
-from fp8linear.backend import cpu_kernel_variant  # noqa: E402
 from fp8linear.demo import median_ratio, prefill as prefill_pass, side_by_side  # noqa: E402
 
 # fp8linear.SCHEMES names: the default (per-tensor weights and dynamic activations), and
@@ -89,14 +88,10 @@ def run(args) -> dict:
 
 
 def write_results(args, results, elapsed) -> pathlib.Path:
-    cpu = args.cpu
     lines = [
         "# End to end: SmolLM2-135M-Instruct, bf16 vs FP8Linear (CPU)",
         "",
-        f"Command: `python benchmarks/bench_e2e.py{' --smoke' if args.smoke else ''}`  ",
-        f"CPU: {cpu['model']} ({cpu['vendor']}; flags: {' '.join(cpu['flags'])}); results family `{cpu['family']}`.  ",
-        f"Date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"fp8linear CPU kernels: {cpu_kernel_variant()}; run took {elapsed / 60:.1f} min.  ",
+        *cpu_results_header(args, elapsed, f"python benchmarks/bench_e2e.py{' --smoke' if args.smoke else ''}"),
         f"Model: {results['description']}.",
         "",
         f"Prefill: one forward pass over a {args.prompt_tokens}-token prompt (time to first token), "

@@ -17,7 +17,6 @@ bench_cpu.py).
 """
 from __future__ import annotations
 
-import datetime
 import pathlib
 import statistics
 import sys
@@ -31,7 +30,8 @@ from fp8linear._native import native
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # also when loaded by file path (tests)
 from bench_cpu import MIN_SAMPLE_SECONDS, median_time  # noqa: E402
-from common import MODEL_SHAPES, cpu_benchmark_parser, plot_speedup, select_shapes, setup_cpu_benchmark  # noqa: E402
+from common import (MODEL_SHAPES, cpu_benchmark_parser, cpu_results_header, plot_speedup,  # noqa: E402
+                    select_shapes, setup_cpu_benchmark)
 
 SHAPES = {name: MODEL_SHAPES[name] for name in ("Llama-3-8B q/o 4096x4096", "SmolLM2 up/gate 1536x576")}
 ROWS = sorted(set(range(1, 41)) | {r + d for r in range(48, 521, 16) for d in (-1, 0, 1, 8)})
@@ -89,11 +89,7 @@ def write_results(args, table, elapsed):
     lines = [
         "# CPU benchmark: FP8Linear vs bf16 nn.Linear at every batch size",
         "",
-        f"Command: `{' '.join([pathlib.Path(sys.executable).name, *sys.argv])}`  ",
-        f"CPU: {args.cpu['model']} ({args.cpu['vendor'] or 'unknown vendor'}; flags: "
-        f"{' '.join(args.cpu['flags']) or 'none'}); results family `{args.cpu['family']}`.  ",
-        f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"fp8linear CPU kernels: {native().cpu_variant()}; run took {elapsed / 60:.1f} min.",
+        *cpu_results_header(args, elapsed),
         "",
         f"Each repetition times the contenders in turn (passes over the layer copies, each at least "
         f"{MIN_SAMPLE_SECONDS * 1e3:.0f} ms); times are medians of {args.repeats} repetitions, ratios the "

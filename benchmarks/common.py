@@ -88,6 +88,29 @@ def setup_cpu_benchmark(args, prefix: str) -> None:
     warnings.simplefilter("ignore", fp8linear.FP8PathWarning)
 
 
+def cpu_results_header(args, elapsed: float, command: str | None = None) -> list[str]:
+    """The first lines of a CPU benchmark's results file: the command (default: this
+    process's), the CPU (args.cpu from setup_cpu_benchmark) and the date, torch, threads,
+    kernel variant and run time."""
+    import datetime
+    import sys
+
+    import torch
+
+    from fp8linear.backend import cpu_kernel_variant
+
+    cpu = args.cpu
+    command = command or " ".join([pathlib.Path(sys.executable).name, *sys.argv])
+    return [
+        f"Command: `{command}`  ",
+        f"CPU: {cpu['model']} ({cpu['vendor'] or 'unknown vendor'}; flags: "
+        f"{' '.join(cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS_OF_INTEREST)}); results family "
+        f"`{cpu['family']}`.  ",
+        f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+        f"fp8linear CPU kernels: {cpu_kernel_variant()}; run took {elapsed / 60:.1f} min.  ",
+    ]
+
+
 def select_shapes(shapes: dict, keep: str | None) -> dict:
     """The shapes whose name contains one of the comma-separated parts of ``keep`` (all if None)."""
     if not keep:
