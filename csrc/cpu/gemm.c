@@ -21,6 +21,7 @@ const float* fp8_decode_table(fp8_format format) {
   return decode_tables[format];
 }
 
+#if FP8_X86_KERNELS
 /* Activation rows -> float32 rows of plan->k_padded, zero padded, for the AVX2 kernels
  * (gemm_avx2.c, gemm_avx2_panel.c); fp8 activations times fp8_factor (a power of two: exact). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
@@ -36,6 +37,7 @@ void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
     for (int64_t k = p->k; k < plan->k_padded; ++k) row[k] = 0.0f;
   }
 }
+#endif
 
 /* Rows of A decoded a block at a time, so each B column is decoded once per block
  * (32 rows: 1.1-1.25x faster than 8 from M = 16 with the lanes below). */
