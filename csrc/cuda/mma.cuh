@@ -136,6 +136,9 @@ __device__ __forceinline__ void mma_fp8(float (&d)[4], const uint32_t (&a)[4], c
   } else {
     FP8LINEAR_MMA_FP8("e5m2", "e5m2");
   }
+#elif defined(FP8LINEAR_CUDA_EMULATION)  // tests/cuda_emulator: the same fragments, on the CPU
+  fp8emu::mma(d, a, b, kA == FP8_E4M3FN ? fp8emu::kMmaE4M3 : fp8emu::kMmaE5M2,
+              kB == FP8_E4M3FN ? fp8emu::kMmaE4M3 : fp8emu::kMmaE5M2);
 #else
   // fp8 tensor cores start at sm_89; the launchers never choose this kernel below it.
   d[0] = d[1] = d[2] = d[3] = 0.0f;
@@ -160,6 +163,9 @@ __device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4],
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
   }
+#elif defined(FP8LINEAR_CUDA_EMULATION)
+  const fp8emu::MmaType type = std::is_same<Compute, KindBF16>::value ? fp8emu::kMmaBF16 : fp8emu::kMmaF16;
+  fp8emu::mma(d, a, b, type, type);
 #else
   // bf16/f16 mma.sync m16n8k16 starts at sm_80; the launchers route older GPUs elsewhere.
   d[0] = d[1] = d[2] = d[3] = 0.0f;

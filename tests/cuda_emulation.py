@@ -1,0 +1,109 @@
+"""Builds fp8linear's CUDA kernels for the CPU under tests/cuda_emulator (a SIMT
+emulator; see emulator.h) into a torch extension, for tests/test_cuda_emulated.py.
+
+Each .cu file of csrc/cuda but cublaslt.cu (cuBLASLt itself cannot run here) is copied
+with its kernel launches rewritten, `kernel<<<grid, block, shared, stream>>>(args);`
+becoming `fp8emu::launch(grid, block, shared, stream, [&] { kernel(args); });`, and
+compiled by the host compiler as C++ with the emulator's header in front. Nothing else
+in the sources changes: the kernels' code is the code nvcc compiles, apart from the
+`FP8LINEAR_CUDA_EMULATION` branches of the mma.sync and cp.async wrappers.
+"""
+import concurrent.futures
+import hashlib
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EMULATOR = ROOT / "tests" / "cuda_emulator"
+CUDA_SOURCES = ("device.cu", "scaled_mm.cu", "gemm.cu", "gemv.cu", "generic.cu", "quantize.cu")
+BINDING_SOURCES = ("checks.cpp", "params.cpp")
+MODULE = "fp8linear_cuda_emulated"
+
+# a kernel name (with template arguments), <<<configuration>>>, (arguments);
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;{}]*?>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.S)
+
+
+def cuda_home():
+    """The CUDA toolkit whose headers (cuda_runtime_api.h, cuda_fp16.h, ...) the
+    emulation compiles against, or None."""
+    for candidate in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/usr/local/cuda-13.0"):
+        if candidate and (pathlib.Path(candidate) / "include" / "cuda_fp8.h").exists():
+            return pathlib.Path(candidate)
+    return None
+
+
+def rewrite_launches(text):
+    """The source with every <<<...>>> launch turned into fp8emu::launch; raises if a
+    launch was left unmatched."""
+    rewritten, count = LAUNCH.subn(lambda m: f"fp8emu::launch({m[2]}, [&] {{ {m[1]}({m[3]}); }});", text)
+    if "<<<" in rewritten or count != text.count("<<<"):
+        raise ValueError("a kernel launch the rewrite does not understand")
+    return rewritten
+
+
+def _sources_digest():
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "csrc").rglob("*")) + sorted(EMULATOR.rglob("*")) + [pathlib.Path(__file__)]:
+        if path.is_file():
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _compile(command):
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}\n{result.stdout}{result.stderr}")
+
+
+def build():
+    """The emulation module, built once per version of the sources (kept in the temp
+    dir) with the host compiler, two files at a time (about a minute on 2 cores)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    home = cuda_home()
+    if home is None:
+        raise RuntimeError("no CUDA toolkit headers found (set CUDA_HOME)")
+    directory = pathlib.Path(tempfile.gettempdir()) / f"fp8linear-cuda-emulator-{_sources_digest()}"
+    library = directory / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not library.exists():
+        # each process builds in its own folder and moves the finished module in place
+        work = directory / f"work-{os.getpid()}"
+        work.mkdir(parents=True, exist_ok=True)
+        sources = []
+        for name in CUDA_SOURCES:
+            original = ROOT / "csrc" / "cuda" / name
+            target = work / (name[:-3] + "_emulated.cpp")
+            # #line: compiler messages name the original file
+            target.write_text(f'#line 1 "{original}"\n' + rewrite_launches(original.read_text()))
+            sources.append(target)
+        sources += [ROOT / "csrc" / "bindings" / name for name in BINDING_SOURCES]
+        sources += [EMULATOR / "emulator.cpp", EMULATOR / "bindings.cpp"]
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        flags = ["-O2", "-std=c++17", "-fPIC", "-DFP8LINEAR_CUDA_EMULATION", "-Wno-unknown-pragmas",
+                 "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={MODULE}",
+                 "-DTORCH_API_INCLUDE_EXTENSION_H", "-include", str(EMULATOR / "emulator.h"),
+                 f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{home / 'include'}",
+                 f"-I{sysconfig.get_paths()['include']}"]
+        flags += [f"-I{path}" for path in cpp_extension.include_paths()]
+        objects = [work / (source.stem + ".o") for source in sources]
+        compiler = os.environ.get("CXX", "g++")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(_compile, [[compiler, *flags, "-c", str(source), "-o", str(target)]
+                                     for source, target in zip(sources, objects)]))
+        _compile([compiler, "-shared", *map(str, objects), "-o", str(work / library.name),
+                  *[f"-L{path}" for path in cpp_extension.library_paths()],
+                  "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"])
+        os.replace(work / library.name, library)
+        shutil.rmtree(work, ignore_errors=True)
+    spec = importlib.util.spec_from_file_location(MODULE, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,185 @@
+// The emulated CUDA ops on CPU tensors: what csrc/bindings/ops_cuda.cpp does with a GPU's
+// tensors and stream, done with the launchers of csrc/cuda compiled for the emulator
+// (emulator.h). The same argument checks and kernel parameters (checks.cpp, params.cpp)
+// as the real ops; `device` picks an emulated GPU (emulator.cpp's table).
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+
+#include "bindings/checks.h"
+#include "bindings/params.h"
+#include "cuda/cuda_kernels.h"
+
+// cuBLASLt cannot run here: refused for every call, so that 'auto' takes our kernels
+// and a forced 'cublaslt' raises (the tests skip it).
+const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params*, int, int) {
+  return "cuBLASLt is not part of the CUDA emulation";
+}
+
+const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params*, int, int, int, cudaStream_t, fp8_cuda_workspace,
+                                     int* unsupported) {
+  *unsupported = 1;
+  return "cuBLASLt is not part of the CUDA emulation";
+}
+
+namespace {
+
+using namespace fp8linear;
+
+void check_launch(const char* error) {
+  if (error == nullptr) return;
+  const std::string failure = fp8emu::last_failure();
+  TORCH_CHECK(false, error, failure.empty() ? "" : " [emulator: " + failure + "]");
+}
+
+fp8_cuda_path path_of(const std::string& name) {
+  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
+    if (name == fp8_cuda_path_name(static_cast<fp8_cuda_path>(path))) return static_cast<fp8_cuda_path>(path);
+  }
+  TORCH_CHECK_VALUE(false, "unknown CUDA path '", name, "'");
+}
+
+// The device the launches run on (what the real ops' CUDAGuard sets).
+void use_device(int64_t device) { TORCH_CHECK(cudaSetDevice(static_cast<int>(device)) == cudaSuccess, "no emulated device ", device); }
+
+const fp8_cuda_device_info& device_info(int64_t device) {
+  use_device(device);
+  const char* error = nullptr;
+  const fp8_cuda_device_info* info = fp8_cuda_device(static_cast<int>(device), &error);
+  TORCH_CHECK(info != nullptr, error);
+  return *info;
+}
+
+std::tuple<at::Tensor, std::string> scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                              const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                                              at::ScalarType out_dtype, const std::string& path, int64_t device) {
+  check_scaled_mm_args(a, b, scale_a, scale_b, bias, out_dtype);
+  TORCH_CHECK(a.device().is_cpu(), "the emulation takes CPU tensors");
+  device_info(device);  // queried (and cached) as the real ops do, before the launch
+  check_launch(fp8_cuda_pending_error("scaled_mm"));
+  const int64_t m = a.size(0), n = b.size(1);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return {out, "none"};
+  const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), n);
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, bias_c, out);
+  out.fill_(NAN);  // an element no kernel writes stays NaN
+  fp8_cuda_path used = FP8_CUDA_PATH_NONE;
+  check_launch(fp8_cuda_scaled_mm_launch(&p, path_of(path), static_cast<int>(device), nullptr, {nullptr, 0}, &used));
+  return {out, fp8_cuda_path_name(used)};
+}
+
+// quantize_fp8 as ops_cuda.cpp's quantize_fp8_cuda runs it, for a non-empty x.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                at::ScalarType dtype, bool per_row, int64_t device) {
+  const std::vector<int64_t> scale_shape = check_quantize_args(x, scale, dtype, per_row);
+  TORCH_CHECK(x.numel() > 0, "the emulation quantizes non-empty tensors");
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  check_launch(fp8_cuda_pending_error("quantize_fp8"));
+  at::Tensor q = at::full(x.sizes(), 0x7F, x.options().dtype(at::kByte)).view(dtype);  // unwritten codes: NaN
+  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, 1, x.numel(), x.numel(), 1} : row_view(x);
+  const fp8_quantize_params p = quantize_params_of(view, q, format);
+  const int multiprocessors = device_info(device).multiprocessors;
+  const at::TensorOptions float_options = x.options().dtype(at::kFloat);
+  if (!per_row) {
+    if (scale.has_value()) {
+      check_launch(fp8_cuda_quantize_static_launch(&p, scale->data_ptr<float>(), 0, multiprocessors, nullptr));
+      return {q, scale->clone()};
+    }
+    at::Tensor used = at::empty({}, float_options);
+    at::Tensor amax = at::full({1}, 0x7F7F7F7F, x.options().dtype(at::kInt));  // garbage the launcher must clear
+    check_launch(fp8_cuda_quantize_tensor_dynamic_launch(&p, static_cast<unsigned int*>(amax.data_ptr()),
+                                                         used.data_ptr<float>(), multiprocessors, nullptr));
+    return {q, used};
+  }
+  if (scale.has_value()) {
+    const at::Tensor row_scales = scale->contiguous();
+    check_launch(fp8_cuda_quantize_static_launch(&p, row_scales.data_ptr<float>(), 1, multiprocessors, nullptr));
+    return {q, scale->clone()};
+  }
+  at::Tensor row_scales = at::empty(scale_shape, float_options);
+  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 0, nullptr));
+  return {q, row_scales};
+}
+
+// One dynamic scale per row of a 2-D x, rounded up to a power of two (the ue8m0 groups).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_power_of_two(const at::Tensor& x2d, at::ScalarType dtype) {
+  use_device(0);
+  TORCH_CHECK(x2d.dim() == 2 && x2d.numel() > 0, "a non-empty 2-D x");
+  const fp8_format format = fp8_format_of(dtype, "dtype");
+  at::Tensor q = at::empty(x2d.sizes(), x2d.options().dtype(dtype));
+  at::Tensor row_scales = at::empty({x2d.size(0), 1}, x2d.options().dtype(at::kFloat));
+  const fp8_quantize_params p = quantize_params_of(row_view(x2d), q, format);
+  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 1, nullptr));
+  return {q, row_scales};
+}
+
+// ---- kernels that check the emulator itself (tests/test_cuda_emulated.py) --------
+
+__global__ void shuffle_kernel(float* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<float>(threadIdx.x), 5);
+}
+
+__global__ void shared_reverse_kernel(float* out) {
+  __shared__ float values[64];
+  values[threadIdx.x] = static_cast<float>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = values[63 - threadIdx.x] + 1000.0f * blockIdx.x;
+}
+
+__global__ void shuffle_after_exit_kernel(float* out) {
+  if (threadIdx.x == 31) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<float>(threadIdx.x), 1);
+}
+
+__global__ void deadlock_kernel(float* out) {
+  if (threadIdx.x == 0) {
+    __syncwarp(0x3u);  // waits for lane 1, which waits at __syncthreads for lane 0
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1.0f;
+}
+
+// Runs probe `name` on 64 threads per block (grid `blocks`); the first block's output.
+at::Tensor probe(const std::string& name, int64_t blocks) {
+  use_device(0);
+  at::Tensor out = at::full({blocks, 64}, NAN, at::kFloat);
+  float* data = out.data_ptr<float>();
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (name == "shuffle") {
+    fp8emu::launch(grid, 64, 0, nullptr, [&] { shuffle_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "shared") {
+    fp8emu::launch(grid, 64, 0, nullptr, [&] { shared_reverse_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "shuffle_after_exit") {
+    fp8emu::launch(grid, 64, 0, nullptr, [&] { shuffle_after_exit_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "deadlock") {
+    fp8emu::launch(grid, 64, 0, nullptr, [&] { deadlock_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "too_many_threads") {
+    fp8emu::launch(grid, 2048, 0, nullptr, [&] { shuffle_kernel(data); });
+  } else {
+    TORCH_CHECK_VALUE(false, "unknown probe ", name);
+  }
+  const cudaError_t error = cudaGetLastError();
+  TORCH_CHECK(error == cudaSuccess, cudaGetErrorName(error), ": ", fp8emu::last_failure());
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "fp8linear's CUDA launchers and kernels run on the CPU by tests/cuda_emulator.";
+  module.def("scaled_mm", &scaled_mm, "scaled_mm on an emulated device; returns (out, path that ran)",
+             pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("scale_a"), pybind11::arg("scale_b"),
+             pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("path"), pybind11::arg("device"));
+  module.def("quantize_fp8", &quantize_fp8, "quantize_fp8 on an emulated device", pybind11::arg("x"),
+             pybind11::arg("scale"), pybind11::arg("dtype"), pybind11::arg("per_row"), pybind11::arg("device"));
+  module.def("quantize_rows_power_of_two", &quantize_rows_power_of_two, pybind11::arg("x"), pybind11::arg("dtype"));
+  module.def("device", [](int64_t device) {
+    const fp8_cuda_device_info& info = device_info(device);
+    return std::make_tuple(info.major, info.minor, info.multiprocessors, info.kernel_arch);
+  }, "(major, minor, multiprocessors, kernel_arch) of an emulated device");
+  module.def("probe", &probe, "runs one of the emulator's own check kernels", pybind11::arg("name"),
+             pybind11::arg("blocks") = 1);
+}
