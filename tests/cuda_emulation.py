@@ -24,6 +24,20 @@ EMULATOR = ROOT / "tests" / "cuda_emulator"
 CUDA_SOURCES = ("device.cu", "scaled_mm.cu", "gemm.cu", "gemv.cu", "generic.cu", "quantize.cu")
 BINDING_SOURCES = ("checks.cpp", "params.cpp")
 MODULE = "fp8linear_cuda_emulated"
+# UBSan: on a GPU a misaligned access faults (x86 would load it), and shifts or overflows
+# the C++ standard leaves undefined differ between the compilers. Its reports go to a file
+# that ubsan_reports() reads (tests/test_cuda_emulated.py fails the test that made one).
+SANITIZE = ["-fsanitize=undefined"]
+UBSAN_LOG = pathlib.Path(tempfile.gettempdir()) / f"fp8linear-cuda-emulator-ubsan-{os.getpid()}"
+
+
+def ubsan_reports():
+    """The UBSan reports written since the last call (and removes them)."""
+    text = ""
+    for log in sorted(UBSAN_LOG.parent.glob(UBSAN_LOG.name + ".*")):
+        text += log.read_text()
+        log.unlink()
+    return text
 
 # a kernel name (with template arguments), <<<configuration>>>, (arguments);
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;{}]*?>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.S)
@@ -87,7 +101,7 @@ def build():
         sources += [ROOT / "csrc" / "bindings" / name for name in BINDING_SOURCES]
         sources += [EMULATOR / "emulator.cpp", EMULATOR / "bindings.cpp"]
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        flags = ["-O2", "-std=c++17", "-fPIC", "-DFP8LINEAR_CUDA_EMULATION", "-Wno-unknown-pragmas",
+        flags = ["-O2", "-std=c++17", "-fPIC", "-DFP8LINEAR_CUDA_EMULATION", "-Wno-unknown-pragmas", *SANITIZE,
                  "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={MODULE}",
                  "-DTORCH_API_INCLUDE_EXTENSION_H", "-include", str(EMULATOR / "emulator.h"),
                  f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{home / 'include'}",
@@ -98,11 +112,13 @@ def build():
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(_compile, [[compiler, *flags, "-c", str(source), "-o", str(target)]
                                      for source, target in zip(sources, objects)]))
-        _compile([compiler, "-shared", *map(str, objects), "-o", str(work / library.name),
+        _compile([compiler, "-shared", *SANITIZE, *map(str, objects), "-o", str(work / library.name),
                   *[f"-L{path}" for path in cpp_extension.library_paths()],
                   "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"])
         os.replace(work / library.name, library)
         shutil.rmtree(work, ignore_errors=True)
+    # read by libubsan when the module loads it
+    os.environ["UBSAN_OPTIONS"] = f"print_stacktrace=1:log_path={UBSAN_LOG}"
     spec = importlib.util.spec_from_file_location(MODULE, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

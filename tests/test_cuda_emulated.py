@@ -34,6 +34,16 @@ def emulated():
     return cuda_emulation.build()
 
 
+@pytest.fixture(autouse=True)
+def _no_undefined_behaviour():
+    """The emulated kernels run under UBSan: a report (a misaligned access, which faults on
+    a GPU; an out-of-range shift; an overflow) fails the test that made it."""
+    cuda_emulation.ubsan_reports()
+    yield
+    reports = cuda_emulation.ubsan_reports()
+    assert not reports, reports
+
+
 def _kernel_capability(emulated, device):
     major, minor, _, arch = emulated.device(device)
     return min(10 * major + minor, arch)
