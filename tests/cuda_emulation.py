@@ -16,8 +16,10 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EMULATOR = ROOT / "tests" / "cuda_emulator"
@@ -26,9 +28,11 @@ BINDING_SOURCES = ("checks.cpp", "params.cpp")
 MODULE = "fp8linear_cuda_emulated"
 # UBSan: on a GPU a misaligned access faults (x86 would load it), and shifts or overflows
 # the C++ standard leaves undefined differ between the compilers. Its reports go to a file
-# that ubsan_reports() reads (tests/test_cuda_emulated.py fails the test that made one).
+# that ubsan_reports() reads (tests/test_cuda_emulated.py fails the test that made one);
+# each place in the code is reported once per process.
 SANITIZE = ["-fsanitize=undefined"]
-UBSAN_LOG = pathlib.Path(tempfile.gettempdir()) / f"fp8linear-cuda-emulator-ubsan-{os.getpid()}"
+CACHE = pathlib.Path(tempfile.gettempdir()) / f"fp8linear-cuda-emulator-{os.getuid()}"
+UBSAN_LOG = CACHE / f"ubsan-{os.getpid()}"
 
 
 def ubsan_reports():
@@ -61,8 +65,14 @@ def rewrite_launches(text):
     return rewritten
 
 
-def _sources_digest():
+def _build_digest(compiler, home):
+    """What the module depends on: the sources, the compiler, torch, Python, CUDA's headers."""
+    import torch
+
     digest = hashlib.sha256()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    for part in (version, torch.__version__, sys.version, str(home), " ".join(SANITIZE)):
+        digest.update(part.encode())
     for path in sorted((ROOT / "csrc").rglob("*")) + sorted(EMULATOR.rglob("*")) + [pathlib.Path(__file__)]:
         if path.is_file():
             digest.update(str(path.relative_to(ROOT)).encode())
@@ -77,49 +87,63 @@ def _compile(command):
 
 
 def build():
-    """The emulation module, built once per version of the sources (kept in the temp
-    dir) with the host compiler, two files at a time (about a minute on 2 cores)."""
-    import torch
-    from torch.utils import cpp_extension
-
+    """The emulation module, built once per version of the sources, compiler, torch and
+    Python (kept in the temp dir) with the host compiler, two files at a time (about a
+    minute on 2 cores)."""
     home = cuda_home()
     if home is None:
         raise RuntimeError("no CUDA toolkit headers found (set CUDA_HOME)")
-    directory = pathlib.Path(tempfile.gettempdir()) / f"fp8linear-cuda-emulator-{_sources_digest()}"
+    compiler = os.environ.get("CXX", "g++")
+    directory = CACHE / _build_digest(compiler, home)
     library = directory / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if not library.exists():
+        for old in CACHE.glob("*"):  # earlier versions' builds, unused for an hour
+            if old.is_dir() and old != directory and time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
         # each process builds in its own folder and moves the finished module in place
         work = directory / f"work-{os.getpid()}"
         work.mkdir(parents=True, exist_ok=True)
-        sources = []
-        for name in CUDA_SOURCES:
-            original = ROOT / "csrc" / "cuda" / name
-            target = work / (name[:-3] + "_emulated.cpp")
-            # #line: compiler messages name the original file
-            target.write_text(f'#line 1 "{original}"\n' + rewrite_launches(original.read_text()))
-            sources.append(target)
-        sources += [ROOT / "csrc" / "bindings" / name for name in BINDING_SOURCES]
-        sources += [EMULATOR / "emulator.cpp", EMULATOR / "bindings.cpp"]
-        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        flags = ["-O2", "-std=c++17", "-fPIC", "-DFP8LINEAR_CUDA_EMULATION", "-Wno-unknown-pragmas", *SANITIZE,
-                 "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={MODULE}",
-                 "-DTORCH_API_INCLUDE_EXTENSION_H", "-include", str(EMULATOR / "emulator.h"),
-                 f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{home / 'include'}",
-                 f"-I{sysconfig.get_paths()['include']}"]
-        flags += [f"-I{path}" for path in cpp_extension.include_paths()]
-        objects = [work / (source.stem + ".o") for source in sources]
-        compiler = os.environ.get("CXX", "g++")
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(_compile, [[compiler, *flags, "-c", str(source), "-o", str(target)]
-                                     for source, target in zip(sources, objects)]))
-        _compile([compiler, "-shared", *SANITIZE, *map(str, objects), "-o", str(work / library.name),
-                  *[f"-L{path}" for path in cpp_extension.library_paths()],
-                  "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"])
-        os.replace(work / library.name, library)
-        shutil.rmtree(work, ignore_errors=True)
-    # read by libubsan when the module loads it
-    os.environ["UBSAN_OPTIONS"] = f"print_stacktrace=1:log_path={UBSAN_LOG}"
+        try:
+            _build_in(work, library, home, compiler)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    # read by the module's __ubsan_default_options when it loads (UBSAN_OPTIONS set now
+    # would not be: the sanitizer reads the environment the process started with)
+    os.environ["FP8LINEAR_EMULATOR_UBSAN"] = f"print_stacktrace=1:log_path={UBSAN_LOG}"
     spec = importlib.util.spec_from_file_location(MODULE, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _build_in(work, library, home, compiler):
+    """Compiles the module in `work` and moves it to `library`."""
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = []
+    for name in CUDA_SOURCES:
+        original = ROOT / "csrc" / "cuda" / name
+        target = work / (name[:-3] + "_emulated.cpp")
+        # #line: compiler messages name the original file
+        target.write_text(f'#line 1 "{original}"\n' + rewrite_launches(original.read_text()))
+        sources.append(target)
+    sources += [ROOT / "csrc" / "bindings" / name for name in BINDING_SOURCES]
+    sources += [EMULATOR / "emulator.cpp", EMULATOR / "bindings.cpp"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++17", "-fPIC", "-DFP8LINEAR_CUDA_EMULATION", "-Wno-unknown-pragmas", *SANITIZE,
+             "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={MODULE}",
+             "-DTORCH_API_INCLUDE_EXTENSION_H", "-include", str(EMULATOR / "emulator.h"),
+             f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{home / 'include'}",
+             f"-I{sysconfig.get_paths()['include']}"]
+    flags += [f"-I{path}" for path in cpp_extension.include_paths()]
+    objects = [work / (source.stem + ".o") for source in sources]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(_compile, [[compiler, *flags, "-c", str(source), "-o", str(target)]
+                                 for source, target in zip(sources, objects)]))
+    # -Bsymbolic: the module's own CUDA runtime functions, even where a CUDA build of
+    # torch has loaded the real libcudart
+    _compile([compiler, "-shared", "-Wl,-Bsymbolic", *SANITIZE, *map(str, objects), "-o", str(work / library.name),
+              *[f"-L{path}" for path in cpp_extension.library_paths()],
+              "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"])
+    os.replace(work / library.name, library)

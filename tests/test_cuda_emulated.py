@@ -115,6 +115,10 @@ def path(request):
 def test_emulator_shuffles_and_shared_memory(emulated):
     lanes = torch.arange(64, dtype=torch.float32)
     assert torch.equal(emulated.probe("shuffle")[0], (lanes.int() ^ 5).float())
+    # width 16: a source in a later segment gives the lane its own value, an earlier one its value
+    lane = lanes.int() % 32
+    expected = torch.where(lane < 16, lanes.int(), lanes.int() ^ 17).float()
+    assert torch.equal(emulated.probe("shuffle_width")[0], expected)
     out = emulated.probe("shared", blocks=3)
     for block in range(3):
         assert torch.equal(out[block], lanes.flip(0) + 1000 * block)
@@ -122,11 +126,20 @@ def test_emulator_shuffles_and_shared_memory(emulated):
 
 @pytest.mark.parametrize("probe, message", [("shuffle_after_exit", "waits for a lane that has exited"),
                                             ("deadlock", "deadlock"),
+                                            ("divergent_barrier", "different __syncthreads"),
                                             ("too_many_threads", "invalid launch configuration")])
 def test_emulator_reports_faults(emulated, probe, message):
     with pytest.raises(RuntimeError, match=message):
         emulated.probe(probe)
     assert torch.equal(emulated.probe("shuffle")[0], (torch.arange(64) ^ 5).float())  # and runs on after one
+
+
+def test_an_earlier_pending_error_is_not_blamed_on_our_kernels(emulated):
+    emulated.probe("leave_pending")  # a failed launch whose error nobody read
+    a, b, scale_a, scale_b = _operands(4, 64, 32)
+    with pytest.raises(RuntimeError, match="a CUDA error raised before this call was pending"):
+        emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "auto", H100)
+    _check(emulated, "auto", a, b, scale_a, scale_b)  # cleared: the next call runs
 
 
 def test_rewrite_of_launches():
@@ -206,17 +219,28 @@ def test_paths_single_row_with_strided_k(emulated, path, m, n):
         _check(emulated, path, a_, b_, scale_a, scale_b)
 
 
-@pytest.mark.parametrize("m, k, n", [(4, 0, 16), (33, 0, 16), (0, 5, 7), (4, 5, 0)])
+@pytest.mark.parametrize("m, k, n", [(4, 0, 16), (33, 0, 16), (0, 5, 7), (4, 5, 0), (0, 0, 0)])
 def test_paths_empty_and_k_zero(emulated, path, m, k, n):
     a = torch.zeros(m, k).to(E4M3)
     b = torch.zeros(k, n).to(E4M3)
+    one = torch.ones(())
+    out, _ = emulated.scaled_mm(a, b, one, one, None, torch.float32, path, H100)
+    assert out.shape == (m, n) and torch.all(out == 0)
     bias = torch.randn(n)
     for scale in (1.0, float("inf"), float("nan")):  # K = 0: the bias, whatever the scales
-        if scale != 1.0 and m * n == 0:
-            continue
-        out, _ = emulated.scaled_mm(a, b, torch.tensor(scale) if k == 0 else torch.ones(()), torch.ones(()), bias,
-                                    torch.float32, path, H100)
-        assert torch.equal(out, bias.expand(m, n))
+        out, _ = emulated.scaled_mm(a, b, torch.tensor(scale) if k == 0 else one, one, bias, torch.float32, path, H100)
+        assert out.shape == (m, n) and torch.equal(out, bias.expand(m, n))
+
+
+def test_paths_unaligned_scale_vectors(emulated, path):
+    # per-row and per-column scales 4 bytes into a larger tensor, read in place
+    a, b, scale_a, scale_b = _operands(32, 256, 64, per_row=True)
+    padded_a = torch.zeros(33, 1)
+    padded_a[1:] = scale_a
+    padded_b = torch.zeros(1, 65)
+    padded_b[:, 1:] = scale_b
+    assert padded_a[1:].data_ptr() % 16 == 4 and padded_b[:, 1:].is_contiguous()
+    _check(emulated, path, a, b, padded_a[1:], padded_b[:, 1:])
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -309,6 +333,21 @@ def test_auto_picks_the_documented_path(emulated, device, fp8, widened):
     assert emulated.scaled_mm(x32, b, torch.ones(()), scale_b, None, torch.float32, "auto", device)[1] == "generic"
 
 
+@pytest.mark.parametrize("m, fallback", [(32, "gemv"), (100, "gemm")])
+def test_auto_falls_back_when_cublaslt_declines_at_run_time(emulated, m, fallback):
+    # an emulated cuBLASLt that takes every call and then has no algorithm for it
+    a, b, scale_a, scale_b = _operands(m, 256, 128)
+    emulated.set_cublaslt_accepts(True)
+    try:
+        out, used = emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "auto", H100)
+        assert used == fallback
+        assert relative_error(out, reference.scaled_mm_float64(a, b, scale_a, scale_b)) <= TOLERANCE[torch.bfloat16]
+        with pytest.raises(RuntimeError, match="forced path 'cublaslt' cannot run this call: the emulated cuBLASLt"):
+            emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "cublaslt", H100)
+    finally:
+        emulated.set_cublaslt_accepts(False)
+
+
 def test_refusals_name_the_reason(emulated):
     a, b, scale_a, scale_b = _operands(8, 128, 64)
     with pytest.raises(RuntimeError, match="rebuild with it"):
@@ -362,6 +401,7 @@ def test_quantize_edge_values(emulated, x_dtype, dtype):
     for scale in (torch.tensor(1.0), torch.tensor(2.0**-8), torch.tensor(1000.0)):
         _same(emulated.quantize_fp8(x, scale, dtype, False, H100), fp8linear.quantize_fp8(x, dtype=dtype, scale=scale))
     _same(emulated.quantize_fp8(x, None, dtype, True, H100), fp8linear.quantize_fp8(x, dtype=dtype, granularity="row"))
+    _same(emulated.quantize_fp8(x, None, dtype, False, H100), fp8linear.quantize_fp8(x, dtype=dtype))
     zeros = torch.zeros(3, 40, dtype=x_dtype)  # all zero: the floor scale, never 0 or NaN
     _same(emulated.quantize_fp8(zeros, None, dtype, False, H100), fp8linear.quantize_fp8(zeros, dtype=dtype))
     _same(emulated.quantize_fp8(zeros, None, dtype, True, H100),

@@ -11,16 +11,23 @@
 #include "bindings/params.h"
 #include "cuda/cuda_kernels.h"
 
-// cuBLASLt cannot run here: refused for every call, so that 'auto' takes our kernels
-// and a forced 'cublaslt' raises (the tests skip it).
+// cuBLASLt cannot run here. By default it refuses every call, so that 'auto' takes our
+// kernels; set_cublaslt_accepts(true) makes it accept every call at first and then
+// decline at run time (as a cuBLASLt without an algorithm or a scale mode does), so that
+// the launcher's fallback and its message for a forced 'cublaslt' run.
+namespace {
+bool cublaslt_accepts = false;
+}
+
 const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params*, int, int) {
-  return "cuBLASLt is not part of the CUDA emulation";
+  return cublaslt_accepts ? nullptr : "cuBLASLt is not part of the CUDA emulation";
 }
 
 const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params*, int, int, int, cudaStream_t, fp8_cuda_workspace,
                                      int* unsupported) {
   *unsupported = 1;
-  return "cuBLASLt is not part of the CUDA emulation";
+  return cublaslt_accepts ? "the emulated cuBLASLt has no algorithm for this problem"
+                          : "cuBLASLt is not part of the CUDA emulation";
 }
 
 namespace {
@@ -87,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, const std::
       check_launch(fp8_cuda_quantize_static_launch(&p, scale->data_ptr<float>(), 0, multiprocessors, nullptr));
       return {q, scale->clone()};
     }
-    at::Tensor used = at::empty({}, float_options);
+    at::Tensor used = at::full({}, NAN, float_options);
     at::Tensor amax = at::full({1}, 0x7F7F7F7F, x.options().dtype(at::kInt));  // garbage the launcher must clear
     check_launch(fp8_cuda_quantize_tensor_dynamic_launch(&p, static_cast<unsigned int*>(amax.data_ptr()),
                                                          used.data_ptr<float>(), multiprocessors, nullptr));
@@ -98,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, const std::
     check_launch(fp8_cuda_quantize_static_launch(&p, row_scales.data_ptr<float>(), 1, multiprocessors, nullptr));
     return {q, scale->clone()};
   }
-  at::Tensor row_scales = at::empty(scale_shape, float_options);
+  at::Tensor row_scales = at::full(scale_shape, NAN, float_options);
   check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 0, nullptr));
   return {q, row_scales};
 }
@@ -108,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_power_of_two(const at::Tensor& 
   use_device(0);
   TORCH_CHECK(x2d.dim() == 2 && x2d.numel() > 0, "a non-empty 2-D x");
   const fp8_format format = fp8_format_of(dtype, "dtype");
-  at::Tensor q = at::empty(x2d.sizes(), x2d.options().dtype(dtype));
-  at::Tensor row_scales = at::empty({x2d.size(0), 1}, x2d.options().dtype(at::kFloat));
+  at::Tensor q = at::full(x2d.sizes(), 0x7F, x2d.options().dtype(at::kByte)).view(dtype);  // unwritten codes: NaN
+  at::Tensor row_scales = at::full({x2d.size(0), 1}, NAN, x2d.options().dtype(at::kFloat));
   const fp8_quantize_params p = quantize_params_of(row_view(x2d), q, format);
   check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 1, nullptr));
   return {q, row_scales};
@@ -119,6 +126,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_power_of_two(const at::Tensor& 
 
 __global__ void shuffle_kernel(float* out) {
   out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<float>(threadIdx.x), 5);
+}
+
+__global__ void shuffle_width_kernel(float* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, static_cast<float>(threadIdx.x), 17, 16);
 }
 
 __global__ void shared_reverse_kernel(float* out) {
@@ -142,6 +153,15 @@ __global__ void deadlock_kernel(float* out) {
   out[threadIdx.x] = 1.0f;
 }
 
+__global__ void divergent_barrier_kernel(float* out) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1.0f;
+}
+
 // Runs probe `name` on 64 threads per block (grid `blocks`); the first block's output.
 at::Tensor probe(const std::string& name, int64_t blocks) {
   use_device(0);
@@ -150,6 +170,8 @@ at::Tensor probe(const std::string& name, int64_t blocks) {
   const dim3 grid(static_cast<unsigned>(blocks));
   if (name == "shuffle") {
     fp8emu::launch(grid, 64, 0, nullptr, [&] { shuffle_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "shuffle_width") {
+    fp8emu::launch(grid, 64, [&] { shuffle_width_kernel(data + 64 * blockIdx.x); });
   } else if (name == "shared") {
     fp8emu::launch(grid, 64, 0, nullptr, [&] { shared_reverse_kernel(data + 64 * blockIdx.x); });
   } else if (name == "shuffle_after_exit") {
@@ -157,7 +179,12 @@ at::Tensor probe(const std::string& name, int64_t blocks) {
   } else if (name == "deadlock") {
     fp8emu::launch(grid, 64, 0, nullptr, [&] { deadlock_kernel(data + 64 * blockIdx.x); });
   } else if (name == "too_many_threads") {
-    fp8emu::launch(grid, 2048, 0, nullptr, [&] { shuffle_kernel(data); });
+    fp8emu::launch(grid, 2048, [&] { shuffle_kernel(data); });
+  } else if (name == "divergent_barrier") {
+    fp8emu::launch(grid, 64, [&] { divergent_barrier_kernel(data); });
+  } else if (name == "leave_pending") {  // a failed launch nobody checks: the next op reports it
+    fp8emu::launch(grid, 2048, [&] { shuffle_kernel(data); });
+    return out;
   } else {
     TORCH_CHECK_VALUE(false, "unknown probe ", name);
   }
@@ -180,6 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     const fp8_cuda_device_info& info = device_info(device);
     return std::make_tuple(info.major, info.minor, info.multiprocessors, info.kernel_arch);
   }, "(major, minor, multiprocessors, kernel_arch) of an emulated device");
+  module.def("set_cublaslt_accepts", [](bool accepts) { cublaslt_accepts = accepts; },
+             "whether the emulated cuBLASLt accepts calls (then declines each at run time)");
   module.def("probe", &probe, "runs one of the emulator's own check kernels", pybind11::arg("name"),
              pybind11::arg("blocks") = 1);
 }

@@ -4,12 +4,21 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
 #include <mutex>
 #include <string>
 #include <vector>
+
+// UBSan's options for this module (tests/cuda_emulation.py sets the variable before the
+// module loads: UBSAN_OPTIONS set from Python after start-up is not read).
+extern "C" const char* __ubsan_default_options() {
+  const char* options = getenv("FP8LINEAR_EMULATOR_UBSAN");
+  return options != nullptr ? options : "";
+}
 
 namespace fp8emu {
 namespace {
@@ -39,6 +48,8 @@ struct Block {
   std::vector<Warp> warps;
   unsigned live = 0, arrived = 0;
   unsigned long generation = 0;
+  const char* barrier_file = "";  // where the threads waiting at __syncthreads wait
+  int barrier_line = 0;
   size_t current = 0;
   ucontext_t scheduler;
   void (*body)(void*) = nullptr;
@@ -64,6 +75,9 @@ char* stack_of(size_t index) {
     if (memory == MAP_FAILED) return nullptr;
     stacks = static_cast<char*>(memory);
     stack_count = count;
+    // a stack that overflows faults on its guard page instead of overwriting its neighbour
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (size_t i = 0; i < count; ++i) mprotect(stacks + i * kStackBytes, page, PROT_NONE);
   }
   return stacks + index * kStackBytes;
 }
@@ -134,9 +148,10 @@ std::string run_block(Block& block, unsigned threads) {
     fiber.thread = make_uint3(i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y));
     char* stack = stack_of(i);
     if (stack == nullptr) return "could not map the emulated threads' stacks";
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     getcontext(&fiber.context);
-    fiber.context.uc_stack.ss_sp = stack;
-    fiber.context.uc_stack.ss_size = kStackBytes;
+    fiber.context.uc_stack.ss_sp = stack + page;
+    fiber.context.uc_stack.ss_size = kStackBytes - page;
     fiber.context.uc_link = &block.scheduler;
     makecontext(&fiber.context, fiber_main, 0);
   }
@@ -241,8 +256,19 @@ void fault(const char* what) {
 
 const char* last_failure() { return failure_message.c_str(); }
 
-void sync_block() {
+void sync_block(const char* file, int line) {
   Block& block = *running;
+  // every thread of a block must reach the same __syncthreads (the CUDA guide: undefined
+  // otherwise, and a hang or a wrong result on the hardware)
+  if (block.arrived == 0) {
+    block.barrier_file = file;
+    block.barrier_line = line;
+  } else if (block.barrier_line != line || strcmp(block.barrier_file, file) != 0) {
+    char what[400];
+    snprintf(what, sizeof what, "threads of one block wait at different __syncthreads (%s:%d and %s:%d)",
+             block.barrier_file, block.barrier_line, file, line);
+    fault(what);
+  }
   if (++block.arrived == block.live) {
     block.arrived = 0;
     ++block.generation;
@@ -296,7 +322,7 @@ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], MmaType 
   const int g = lane / 4, t = lane % 4, depth = eight_bit ? 32 : 16;
   for (int e = 0; e < 4; ++e) {
     const int row = g + 8 * (e / 2), column = 2 * t + e % 2;
-    double sum = 0.0;  // every product exact, the sum of 32 (16) rounded at most once or twice
+    double sum = 0.0;  // every product exact; the sum exact for e4m3, else rounded in double before float
     for (int k = 0; k < depth; ++k) {
       sum += element_value(a_element(warp, row, k, eight_bit), a_type) *
              element_value(b_element(warp, k, column, eight_bit), b_type);
@@ -308,12 +334,15 @@ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], MmaType 
 
 void run_grid(dim3 grid, dim3 block_shape, size_t dynamic_shared_bytes, void (*body)(void*), void* context) {
   const std::lock_guard<std::mutex> lock(launch_mutex);
+  failure_message.clear();
   const uint64_t threads = static_cast<uint64_t>(block_shape.x) * block_shape.y * block_shape.z;
   // the hardware's launch limits (compute capability 8.x / 9.0)
   if (threads == 0 || threads > kMaxThreadsPerBlock || block_shape.z > 64 || grid.x == 0 || grid.y == 0 ||
       grid.z == 0 || grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || dynamic_shared_bytes > 0) {
-    char text[200];
-    snprintf(text, sizeof text, "invalid launch configuration: grid (%u,%u,%u), block (%u,%u,%u), %zu bytes of dynamic shared memory",
+    char text[240];
+    snprintf(text, sizeof text,
+             "invalid launch configuration: grid (%u,%u,%u), block (%u,%u,%u), %zu bytes of dynamic shared memory "
+             "(which the emulator does not model)",
              grid.x, grid.y, grid.z, block_shape.x, block_shape.y, block_shape.z, dynamic_shared_bytes);
     failure_message = text;
     pending_error = cudaErrorInvalidConfiguration;
@@ -358,7 +387,7 @@ const EmulatedDevice kDevices[] = {
     {8, 9, 128, 89},  // 1: Ada (L40S, RTX 4090)
     {8, 0, 108, 80},  // 2: A100
     {7, 5, 40, 75},   // 3: T4 (our generic kernel only)
-    {9, 0, 132, 80},  // 4: H100 with a build for sm_80 only
+    {9, 0, 132, 80},  // 4: H100 with a build whose newest code is sm_80 (8.0+PTX)
     {8, 9, 128, 0},   // 5: Ada with a build that has no code for it
 };
 constexpr int kDeviceCount = sizeof kDevices / sizeof kDevices[0];
@@ -415,27 +444,33 @@ cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 
+// A failing runtime call leaves its error for cudaGetLastError, as CUDA's runtime does.
+static cudaError_t failed(cudaError_t error) {
+  fp8emu::pending_error = error;
+  return error;
+}
+
 cudaError_t cudaSetDevice(int device) {
-  if (device < 0 || device >= fp8emu::kDeviceCount) return cudaErrorInvalidDevice;
+  if (device < 0 || device >= fp8emu::kDeviceCount) return failed(cudaErrorInvalidDevice);
   fp8emu::current_device = device;
   return cudaSuccess;
 }
 
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attribute, int device) {
-  if (device < 0 || device >= fp8emu::kDeviceCount) return cudaErrorInvalidDevice;
+  if (device < 0 || device >= fp8emu::kDeviceCount) return failed(cudaErrorInvalidDevice);
   const fp8emu::EmulatedDevice& d = fp8emu::kDevices[device];
   switch (attribute) {
     case cudaDevAttrComputeCapabilityMajor: *value = d.major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = d.minor; return cudaSuccess;
     case cudaDevAttrMultiProcessorCount: *value = d.multiprocessors; return cudaSuccess;
-    default: return cudaErrorInvalidValue;
+    default: return failed(cudaErrorInvalidValue);
   }
 }
 
 cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* attributes, const void*) {
   *attributes = cudaFuncAttributes{};
   const int arch = fp8emu::kDevices[fp8emu::current_device].kernel_arch;
-  if (arch == 0) return cudaErrorNoKernelImageForDevice;
+  if (arch == 0) return failed(cudaErrorNoKernelImageForDevice);
   attributes->ptxVersion = arch;
   attributes->binaryVersion = arch;
   attributes->maxThreadsPerBlock = 1024;

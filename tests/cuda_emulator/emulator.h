@@ -9,22 +9,30 @@
 // - each CUDA thread is a fiber with its own stack (its registers); the blocks of a
 //   grid run one after another, the threads of a block interleaved only at barriers,
 //   so nothing relies on warps running in lockstep (independent thread scheduling);
-// - __shared__ variables are static: one copy, shared by the threads of the running block;
-// - __syncthreads waits for every thread of the block that has not exited;
-// - warp collectives (__shfl_xor_sync, mma.sync) wait for every lane of their mask; a
-//   mask naming a lane that has exited, or that the block lacks, is a fault (the
-//   hardware's behaviour is undefined there), as are mismatched masks and a block in
-//   which every live thread waits on something that never completes;
+// - __shared__ variables are static: one copy, shared by the threads of the running block
+//   (it keeps the previous block's values: reads of unwritten shared memory go unseen);
+// - __syncthreads waits for every thread of the block that has not exited, and all of
+//   them must wait at the same __syncthreads;
+// - warp collectives (__shfl_xor_sync, __syncwarp, mma.sync) wait for every lane of their
+//   mask; a mask naming a lane that has exited or that the block lacks is a fault (stricter
+//   than PTX, where only reading an exited lane is undefined), as are mismatched masks
+//   and a block in which every live thread waits on something that never completes;
 // - mma.sync m16n8k32 (fp8) and m16n8k16 (f16/bf16) gather the warp's fragments by the
 //   PTX ISA's layouts ("Matrix Fragments for mma.m16n8k32 / mma.m16n8k16") and return
-//   D = A B exactly rounded once to float32 (real tensor cores round differently: the
-//   tests compare with tolerances that hold for both);
-// - cp.async copies at once (16 bytes, or zeros for a source size of 0).
-// Faults surface as launch errors through cudaGetLastError with a message
-// (fp8emu::last_failure), never as a crash of the test process.
+//   D = A B from exact products summed in double, then rounded to float32 (exact sums for
+//   e4m3; real tensor cores round differently: the tests' tolerances hold for both);
+// - cp.async copies at once (16 bytes, or zeros for a source size of 0);
+// - code that nvcc compiles to a trap for the emulated device's architecture (fp8 mma.sync
+//   below sm_89, 16-bit mma.sync and cp.async below sm_80) traps.
+// These faults surface as launch errors through cudaGetLastError with a message
+// (fp8emu::last_failure), right after the launch (on a GPU, at the next synchronizing
+// call). A memory fault (a read past a guard page, a stack overflow onto a fiber
+// stack's guard page) kills the process as it would on the CPU, and a thread that loops
+// forever without reaching a barrier hangs it.
 //
-// Not emulated: cuBLASLt, streams (everything is synchronous), shared memory races,
-// memory outside the arguments' tensors (see the guard pages of the tests instead).
+// Not emulated: cuBLASLt, streams (everything is synchronous), dynamic shared memory,
+// shared memory races, memory ordering, the sm_89+ hardware conversions (the portable
+// ones run).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -57,7 +65,7 @@ namespace fp8emu {
 
 // The calling thread's lane and the emulation's collectives (emulator.cpp).
 unsigned lane_id();
-void sync_block();
+void sync_block(const char* file, int line);
 void sync_warp(unsigned mask);
 // Room for one 64-bit value per lane of the calling thread's warp (shuffles).
 uint64_t* warp_slots();
@@ -81,6 +89,15 @@ void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, cudaStream_t, Bo
   run_grid(grid, block, dynamic_shared_bytes, [](void* context) { (*static_cast<B*>(context))(); },
            const_cast<void*>(static_cast<const void*>(&body)));
 }
+// <<<grid, block>>> and <<<grid, block, shared>>>
+template <class Body>
+void launch(dim3 grid, dim3 block, Body&& body) {
+  launch(grid, block, 0, nullptr, std::forward<Body>(body));
+}
+template <class Body>
+void launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, Body&& body) {
+  launch(grid, block, dynamic_shared_bytes, nullptr, std::forward<Body>(body));
+}
 
 // cp.async.cg.shared.global with src-size 16 or 0: the copy is complete on return.
 void copy_async16(void* shared, const void* global, bool inside);
@@ -89,7 +106,8 @@ void copy_async16(void* shared, const void* global, bool inside);
 
 // ---- device intrinsics on the host -------------------------------------------
 
-inline void __syncthreads() { fp8emu::sync_block(); }
+// (a macro, so that threads waiting at different __syncthreads can be told apart)
+#define __syncthreads() fp8emu::sync_block(__FILE__, __LINE__)
 inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) { fp8emu::sync_warp(mask); }
 [[noreturn]] inline void __trap() { fp8emu::fault("__trap() (a kernel reached code that traps on this architecture)"); }
 
@@ -149,8 +167,9 @@ inline float atomicAdd(float* address, float value) {
   return old;
 }
 
-// __shfl_xor_sync: each lane of `mask` gets the value of lane (lane ^ lane_mask) within
-// its segment of `width` lanes; a source outside the mask is undefined: a fault here.
+// __shfl_xor_sync: each lane of `mask` gets the value of lane (lane ^ lane_mask); with a
+// width below 32, a source in a later segment of `width` lanes gives the lane its own
+// value (the CUDA guide); a source outside the mask is undefined: a fault here.
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffles move up to 64 bits");
@@ -161,7 +180,7 @@ inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) 
   slots[me] = bits;
   fp8emu::sync_warp(mask);
   unsigned source = me ^ static_cast<unsigned>(lane_mask);
-  if (width < 32 && source / static_cast<unsigned>(width) != me / static_cast<unsigned>(width)) source = me;
+  if (width < 32 && source / static_cast<unsigned>(width) > me / static_cast<unsigned>(width)) source = me;
   if (source >= 32 || !((mask >> source) & 1u)) fp8emu::fault("__shfl_xor_sync reads a lane outside its mask");
   const uint64_t got = slots[source];
   fp8emu::sync_warp(mask);  // nobody overwrites a slot before every lane has read
