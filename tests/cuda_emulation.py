@@ -3,8 +3,9 @@ emulator; see emulator.h) into a torch extension, for tests/test_cuda_emulated.p
 
 Each .cu file of csrc/cuda but cublaslt.cu (cuBLASLt itself cannot run here) is copied
 with its kernel launches rewritten, `kernel<<<grid, block, shared, stream>>>(args);`
-becoming `fp8emu::launch(grid, block, shared, stream, [&] { kernel(args); });`, and
-compiled by the host compiler as C++ with the emulator's header in front. Nothing else
+becoming `fp8emu::launch(grid, block, shared, stream, [&] { kernel(args); });`, each
+`__shared__` array declaration followed by `fp8emu::shared_declared(name, sizeof name);`,
+and compiled by the host compiler as C++ with the emulator's header in front. Nothing else
 in the sources changes: the kernels' code is the code nvcc compiles, apart from the
 `FP8LINEAR_CUDA_EMULATION` branches of the mma.sync and cp.async wrappers.
 """
@@ -56,12 +57,21 @@ def cuda_home():
     return None
 
 
-def rewrite_launches(text):
-    """The source with every <<<...>>> launch turned into fp8emu::launch; raises if a
-    launch was left unmatched."""
-    rewritten, count = LAUNCH.subn(lambda m: f"fp8emu::launch({m[2]}, [&] {{ {m[1]}({m[3]}); }});", text)
-    if "<<<" in rewritten or count != text.count("<<<"):
+# __shared__ [__align__(n)] type name[dims]...;
+SHARED = re.compile(r"__shared__\s+((?:__align__\(\d+\)\s+)?[\w:]+\s+(\w+)\s*(?:\[[^\];]+\])+\s*;)")
+
+
+def rewrite(text):
+    """The source for the emulator: every <<<...>>> launch turned into fp8emu::launch, and
+    every __shared__ array declaration followed by fp8emu::shared_declared (which fills
+    it with 0xFF once per block); raises if a launch or a declaration was left unmatched."""
+    rewritten, launches = LAUNCH.subn(lambda m: f"fp8emu::launch({m[2]}, [&] {{ {m[1]}({m[3]}); }});", text)
+    if "<<<" in rewritten or launches != text.count("<<<"):
         raise ValueError("a kernel launch the rewrite does not understand")
+    rewritten, declarations = SHARED.subn(lambda m: f"__shared__ {m[1]} fp8emu::shared_declared({m[2]}, sizeof {m[2]});",
+                                          rewritten)
+    if declarations != text.count("__shared__"):
+        raise ValueError("a __shared__ declaration the rewrite does not understand")
     return rewritten
 
 
@@ -126,7 +136,7 @@ def _build_in(work, library, home, compiler):
         original = ROOT / "csrc" / "cuda" / name
         target = work / (name[:-3] + "_emulated.cpp")
         # #line: compiler messages name the original file
-        target.write_text(f'#line 1 "{original}"\n' + rewrite_launches(original.read_text()))
+        target.write_text(f'#line 1 "{original}"\n' + rewrite(original.read_text()))
         sources.append(target)
     sources += [ROOT / "csrc" / "bindings" / name for name in BINDING_SOURCES]
     sources += [EMULATOR / "emulator.cpp", EMULATOR / "bindings.cpp"]

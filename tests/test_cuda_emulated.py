@@ -124,6 +124,17 @@ def test_emulator_shuffles_and_shared_memory(emulated):
         assert torch.equal(out[block], lanes.flip(0) + 1000 * block)
 
 
+def test_emulator_shows_unwritten_shared_memory_and_missing_barriers(emulated):
+    # shared memory holds NaN until written, whatever an earlier block left there
+    out = emulated.probe("shared_unwritten", blocks=2)
+    assert torch.isnan(out[:, :32]).all() and torch.equal(out[:, 32:], torch.ones(2, 32))
+    # a read of another thread's write with no barrier between: ascending order (block 0)
+    # reads the later thread's value before it is written, descending order (block 1) the earlier's
+    out = emulated.probe("missing_barrier", blocks=2)
+    lanes = torch.arange(64)
+    assert torch.isnan(out[0, lanes % 2 == 0]).all() and torch.isnan(out[1, lanes % 2 == 1]).all()
+
+
 @pytest.mark.parametrize("probe, message", [("shuffle_after_exit", "waits for a lane that has exited"),
                                             ("deadlock", "deadlock"),
                                             ("divergent_barrier", "different __syncthreads"),
@@ -142,13 +153,18 @@ def test_an_earlier_pending_error_is_not_blamed_on_our_kernels(emulated):
     _check(emulated, "auto", a, b, scale_a, scale_b)  # cleared: the next call runs
 
 
-def test_rewrite_of_launches():
-    text = "x;\n  k<A, B<C>, true><<<dim3(f(a), 2), kThreads, 0, stream>>>(*p, g(1), 2);\n  plain<<<1, 2>>>();\n"
-    assert cuda_emulation.rewrite_launches(text) == (
+def test_rewrite_of_launches_and_shared_declarations():
+    text = ("x;\n  k<A, B<C>, true><<<dim3(f(a), 2), kThreads, 0, stream>>>(*p, g(1), 2);\n  plain<<<1, 2>>>();\n"
+            "  __shared__ __align__(16) uint8_t tile[2][kM * S::kPitch];\n  __shared__ float sums[kWarps / 32];\n")
+    assert cuda_emulation.rewrite(text) == (
         "x;\n  fp8emu::launch(dim3(f(a), 2), kThreads, 0, stream, [&] { k<A, B<C>, true>(*p, g(1), 2); });\n"
-        "  fp8emu::launch(1, 2, [&] { plain(); });\n")
-    with pytest.raises(ValueError):
-        cuda_emulation.rewrite_launches("k<<<1, 2>>>(unterminated")
+        "  fp8emu::launch(1, 2, [&] { plain(); });\n"
+        "  __shared__ __align__(16) uint8_t tile[2][kM * S::kPitch]; fp8emu::shared_declared(tile, sizeof tile);\n"
+        "  __shared__ float sums[kWarps / 32]; fp8emu::shared_declared(sums, sizeof sums);\n")
+    with pytest.raises(ValueError, match="launch"):
+        cuda_emulation.rewrite("k<<<1, 2>>>(unterminated")
+    with pytest.raises(ValueError, match="__shared__"):
+        cuda_emulation.rewrite("__shared__ float scalar;")
 
 
 # ---- scaled_mm: every path on an emulated H100 ----------------------------------------

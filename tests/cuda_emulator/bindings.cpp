@@ -134,9 +134,25 @@ __global__ void shuffle_width_kernel(float* out) {
 
 __global__ void shared_reverse_kernel(float* out) {
   __shared__ float values[64];
+  fp8emu::shared_declared(values, sizeof values);  // what tests/cuda_emulation.py adds to each declaration
   values[threadIdx.x] = static_cast<float>(threadIdx.x);
   __syncthreads();
   out[threadIdx.x] = values[63 - threadIdx.x] + 1000.0f * blockIdx.x;
+}
+
+__global__ void shared_unwritten_kernel(float* out) {
+  __shared__ float values[64];
+  fp8emu::shared_declared(values, sizeof values);  // what tests/cuda_emulation.py adds to each declaration
+  if (threadIdx.x < 32) values[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = values[63 - threadIdx.x];  // threads 0-31 read what nobody wrote
+}
+
+__global__ void missing_barrier_kernel(float* out) {
+  __shared__ float values[64];
+  fp8emu::shared_declared(values, sizeof values);  // what tests/cuda_emulation.py adds to each declaration
+  values[threadIdx.x] = 1.0f;
+  out[threadIdx.x] = values[threadIdx.x ^ 1];  // no __syncthreads between the write and the read
 }
 
 __global__ void shuffle_after_exit_kernel(float* out) {
@@ -174,6 +190,10 @@ at::Tensor probe(const std::string& name, int64_t blocks) {
     fp8emu::launch(grid, 64, [&] { shuffle_width_kernel(data + 64 * blockIdx.x); });
   } else if (name == "shared") {
     fp8emu::launch(grid, 64, 0, nullptr, [&] { shared_reverse_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "shared_unwritten") {
+    fp8emu::launch(grid, 64, [&] { shared_unwritten_kernel(data + 64 * blockIdx.x); });
+  } else if (name == "missing_barrier") {
+    fp8emu::launch(grid, 64, [&] { missing_barrier_kernel(data + 64 * blockIdx.x); });
   } else if (name == "shuffle_after_exit") {
     fp8emu::launch(grid, 64, 0, nullptr, [&] { shuffle_after_exit_kernel(data + 64 * blockIdx.x); });
   } else if (name == "deadlock") {

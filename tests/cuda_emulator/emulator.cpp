@@ -11,6 +11,7 @@
 
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 // UBSan's options for this module (tests/cuda_emulation.py sets the variable before the
@@ -48,6 +49,7 @@ struct Block {
   std::vector<Warp> warps;
   unsigned live = 0, arrived = 0;
   unsigned long generation = 0;
+  unsigned long serial = 0;  // which block of the process this is
   const char* barrier_file = "";  // where the threads waiting at __syncthreads wait
   int barrier_line = 0;
   size_t current = 0;
@@ -58,6 +60,9 @@ struct Block {
 };
 
 thread_local Block* running = nullptr;
+thread_local unsigned long block_serial = 0;
+// the block each __shared__ variable was last filled for
+thread_local std::unordered_map<void*, unsigned long> shared_filled;
 thread_local std::string failure_message;
 thread_local cudaError_t pending_error = cudaSuccess;
 thread_local int current_device = 0;
@@ -155,9 +160,12 @@ std::string run_block(Block& block, unsigned threads) {
     fiber.context.uc_link = &block.scheduler;
     makecontext(&fiber.context, fiber_main, 0);
   }
+  block.serial = ++block_serial;
+  const bool descending = (blockIdx.x + blockIdx.y + blockIdx.z) % 2 == 1;
   for (;;) {
     bool alive = false, progressed = false;
-    for (size_t i = 0; i < block.fibers.size(); ++i) {
+    for (size_t step = 0; step < block.fibers.size(); ++step) {
+      const size_t i = descending ? block.fibers.size() - 1 - step : step;
       Fiber& fiber = block.fibers[i];
       if (fiber.done) continue;
       alive = true;
@@ -255,6 +263,14 @@ void fault(const char* what) {
 }
 
 const char* last_failure() { return failure_message.c_str(); }
+
+void shared_declared(void* variable, size_t bytes) {
+  unsigned long& filled = shared_filled[variable];
+  if (filled != running->serial) {
+    memset(variable, 0xFF, bytes);
+    filled = running->serial;
+  }
+}
 
 void sync_block(const char* file, int line) {
   Block& block = *running;

@@ -9,8 +9,14 @@
 // - each CUDA thread is a fiber with its own stack (its registers); the blocks of a
 //   grid run one after another, the threads of a block interleaved only at barriers,
 //   so nothing relies on warps running in lockstep (independent thread scheduling);
-// - __shared__ variables are static: one copy, shared by the threads of the running block
-//   (it keeps the previous block's values: reads of unwritten shared memory go unseen);
+// - __shared__ variables are static: one copy, shared by the threads of the running block,
+//   filled with 0xFF bytes (NaN as float32 and as fp8) by the first thread of each block
+//   that reaches the declaration (tests/cuda_emulation.py follows each __shared__
+//   declaration with fp8emu::shared_declared), so that a read of shared memory no thread
+//   has written gives NaN;
+// - the threads of even blocks run in ascending order between barriers, those of odd
+//   blocks in descending order: a thread that reads what another writes without a
+//   barrier between them reads the fill in one of the two;
 // - __syncthreads waits for every thread of the block that has not exited, and all of
 //   them must wait at the same __syncthreads;
 // - warp collectives (__shfl_xor_sync, __syncwarp, mma.sync) wait for every lane of their
@@ -31,8 +37,8 @@
 // forever without reaching a barrier hangs it.
 //
 // Not emulated: cuBLASLt, streams (everything is synchronous), dynamic shared memory,
-// shared memory races, memory ordering, the sm_89+ hardware conversions (the portable
-// ones run).
+// memory ordering (races other than the missing barrier above go unseen), the sm_89+
+// hardware conversions (the portable ones run).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -67,6 +73,9 @@ namespace fp8emu {
 unsigned lane_id();
 void sync_block(const char* file, int line);
 void sync_warp(unsigned mask);
+// A __shared__ variable's declaration was reached: the first time in a block, its bytes
+// become 0xFF (a GPU's shared memory holds whatever was there).
+void shared_declared(void* variable, size_t bytes);
 // Room for one 64-bit value per lane of the calling thread's warp (shuffles).
 uint64_t* warp_slots();
 [[noreturn]] void fault(const char* what);
