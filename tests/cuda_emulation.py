@@ -7,7 +7,8 @@ becoming `fp8emu::launch(grid, block, shared, stream, [&] { kernel(args); });`, 
 `__shared__` array declaration followed by `fp8emu::shared_declared(name, sizeof name);`,
 and compiled by the host compiler as C++ with the emulator's header in front. Nothing else
 in the sources changes: the kernels' code is the code nvcc compiles, apart from the
-`FP8LINEAR_CUDA_EMULATION` branches of the mma.sync and cp.async wrappers.
+`FP8LINEAR_CUDA_EMULATION` branches of the mma.sync and cp.async wrappers and the rows per
+launch of scaled_mm.cu, a variable the tests can lower.
 """
 import concurrent.futures
 import hashlib

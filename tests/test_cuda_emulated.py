@@ -61,9 +61,10 @@ def _can_run(emulated, device, path, a, b, out_dtype):
     return capability >= 80 and a.dtype != torch.float32 and k_contiguous  # upconvert
 
 
-def _expected_path(path, a, b):
+def _expected_path(path, a, b, rows=None):
     """The family that runs a call `path` takes on H100/Ada (cuBLASLt is not emulated,
-    so 'auto' takes our kernels: the GEMV up to 64 rows, the GEMM above)."""
+    so 'auto' takes our kernels: the GEMV up to 64 rows, the GEMM above); `rows`: those
+    of the call's last launch, if it is launched in parts."""
     if path != "auto":
         return path
     k_contiguous = a.shape[1] <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
@@ -71,10 +72,10 @@ def _expected_path(path, a, b):
         return "generic"
     if a.dtype not in FP8_DTYPES:
         return "upconvert"
-    return "gemv" if a.shape[0] <= 64 else "gemm"
+    return "gemv" if (a.shape[0] if rows is None else rows) <= 64 else "gemm"
 
 
-def _check(emulated, path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, device=H100):
+def _check(emulated, path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, device=H100, last_rows=None):
     what = f"path {path}, device {device}, a {tuple(a.shape)} {a.dtype}, out {out_dtype}"
     if not _can_run(emulated, device, path, a, b, out_dtype):
         with pytest.raises(RuntimeError, match=f"forced path '{path}' cannot run this call"):
@@ -83,7 +84,7 @@ def _check(emulated, path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bf
     out, used = emulated.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, path, device)
     assert out.dtype == out_dtype and out.shape == (a.shape[0], b.shape[1])
     if a.shape[1] > 0 and out.numel() and device in (H100, ADA):
-        assert used == _expected_path(path, a, b), what
+        assert used == _expected_path(path, a, b, last_rows), what
     exact = reference.scaled_mm_float64(a, b, scale_a, scale_b, bias=bias)
     if out.numel():
         error = relative_error(out, exact)
@@ -271,6 +272,26 @@ def test_paths_nan_propagates(emulated, path, out_dtype):
     nan[1, :] = True
     nan[:, 5] = True
     assert torch.equal(torch.isnan(out), nan)
+
+
+@pytest.mark.parametrize("scheme", ["per-row", "block", "weight-only"])
+def test_paths_more_rows_than_one_launch(emulated, path, scheme):
+    # above 2^20 rows a call is launched in parts (scaled_mm.cu), each with its rows of a,
+    # scale_a and out; here the limit is lowered to 96 rows, so that M = 250 takes three
+    # (96, 96, 58: auto takes the GEMM for the first two and the GEMV for the last)
+    m, k, n = 250, 160, 48
+    previous = emulated.set_max_launch_rows(96)
+    try:
+        if scheme == "per-row":
+            _check(emulated, path, *_operands(m, k, n, per_row=True), last_rows=58)
+        elif scheme == "block":
+            _check(emulated, path, *_blockwise_operands(m, k, n), last_rows=58)
+        else:
+            w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="row")
+            _check(emulated, path, torch.randn(m, k).to(torch.bfloat16), w.t(), torch.ones(()), scale_w.t(),
+                   out_dtype=torch.float32, last_rows=58)
+    finally:
+        emulated.set_max_launch_rows(previous)
 
 
 # Operands that end right before (or start right after) a PROT_NONE page: a kernel reading

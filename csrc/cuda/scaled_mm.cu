@@ -31,7 +31,15 @@ int capability(int major, int minor) { return major * 10 + minor; }
 // Rows per launch. Every kernel puts its row tiles in gridDim.y (at most 65535); the
 // smallest row tile of a call this large is 32 (forced gemv, block-wise), so 2^20 rows
 // make at most 32768 of them. Larger calls are launched in parts of this many rows.
+#if defined(FP8LINEAR_CUDA_EMULATION)
+}  // namespace
+// tests/cuda_emulator: the split, at a number of rows the emulator can run in seconds
+int64_t fp8_emulated_max_launch_rows = FP8_CUDA_MAX_LAUNCH_ROWS;
+namespace {
+#define kMaxLaunchRows fp8_emulated_max_launch_rows
+#else
 constexpr int64_t kMaxLaunchRows = FP8_CUDA_MAX_LAUNCH_ROWS;
+#endif
 
 // Our tensor-core kernels read 16 consecutive k-elements of each row of a and of each
 // column of b (a row of the [N, K] weight).

@@ -19,6 +19,9 @@ namespace {
 bool cublaslt_accepts = false;
 }
 
+// Rows per launch (csrc/cuda/scaled_mm.cu; 2^20 on a GPU): tests lower it to run the split.
+extern int64_t fp8_emulated_max_launch_rows;
+
 const char* fp8_cuda_cublaslt_refusal(const fp8_scaled_mm_params*, int, int) {
   return cublaslt_accepts ? nullptr : "cuBLASLt is not part of the CUDA emulation";
 }
@@ -227,6 +230,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     const fp8_cuda_device_info& info = device_info(device);
     return std::make_tuple(info.major, info.minor, info.multiprocessors, info.kernel_arch);
   }, "(major, minor, multiprocessors, kernel_arch) of an emulated device");
+  module.def("set_max_launch_rows", [](int64_t rows) {
+    const int64_t previous = fp8_emulated_max_launch_rows;
+    fp8_emulated_max_launch_rows = rows;
+    return previous;
+  }, "rows per launch of scaled_mm (2^20 by default); returns the previous value");
   module.def("set_cublaslt_accepts", [](bool accepts) { cublaslt_accepts = accepts; },
              "whether the emulated cuBLASLt accepts calls (then declines each at run time)");
   module.def("probe", &probe, "runs one of the emulator's own check kernels", pybind11::arg("name"),
