@@ -90,12 +90,13 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
             and (bias is None or bias.dtype == out_dtype))
 
 
-def _operands(m, k, n, a_dtype=E4M3, b_dtype=E4M3, per_row=False, per_column=None):
-    """a [M, K] and b = w.t() for a weight w [N, K], quantized on the GPU."""
+def _operands(m, k, n, a_dtype=E4M3, b_dtype=E4M3, per_row=False, per_column=None, device="cuda"):
+    """a [M, K] and b = w.t() for a weight w [N, K], quantized on `device` (the GPU; the
+    CPU for test_cuda_emulated.py)."""
     per_column = per_row if per_column is None else per_column
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), dtype=a_dtype,
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device=device), dtype=a_dtype,
                                         granularity="row" if per_row else "tensor")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), dtype=b_dtype,
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device=device), dtype=b_dtype,
                                         granularity="row" if per_column else "tensor")
     return a, w.t(), scale_a, scale_w.t() if per_column else scale_w
 
@@ -474,10 +475,10 @@ def test_fp8linear_on_cuda_matches_cpu():
 
 # ---- block-wise scales (quantization: test_cuda_quantize.py) ---------------------
 
-def _blockwise_operands(m, k, n, a_dtype=E4M3):
+def _blockwise_operands(m, k, n, a_dtype=E4M3, device="cuda"):
     """a [M, K] per token and group of 128, b = w.t() for a weight w [N, K] per 128 x 128 block."""
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device="cuda"), dtype=a_dtype, granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device="cuda"), granularity="block")
+    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k, device=device), dtype=a_dtype, granularity="group")
+    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k, device=device), granularity="block")
     return a, w.t(), scale_a, scale_w.t()
 
 

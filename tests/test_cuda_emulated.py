@@ -9,6 +9,7 @@ block-wise scales, and the launchers' choices. What it cannot: cuBLASLt, timing,
 coherence between threads, and whether real tensor cores read their fragments as the
 PTX ISA says (tests/test_cuda.py on a GPU, benchmarks/gpu_check.sh).
 """
+import functools
 import itertools
 
 import pytest
@@ -18,6 +19,7 @@ import cuda_emulation
 import fp8linear
 from conftest import FLOAT_DTYPES, FP8_DTYPES, relative_error
 from fp8linear import reference
+import test_cuda
 from test_cuda import TOLERANCE, _assert_each_element_close  # the GPU tests' bounds
 from test_guard_pages import GuardedMemory
 
@@ -44,6 +46,16 @@ def _no_undefined_behaviour():
     assert not reports, reports
 
 
+# the GPU tests' operands, on the CPU
+_operands = functools.partial(test_cuda._operands, device="cpu")
+_blockwise_operands = functools.partial(test_cuda._blockwise_operands, device="cpu")
+
+
+def _k_contiguous(a, b):
+    """Whether a's rows and b's columns (w's rows) are K-contiguous, as the tensor-core kernels need."""
+    return a.shape[1] <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
+
+
 def _kernel_capability(emulated, device):
     major, minor, _, arch = emulated.device(device)
     return min(10 * major + minor, arch)
@@ -55,10 +67,9 @@ def _can_run(emulated, device, path, a, b, out_dtype):
     if path in ("auto", "generic") or k == 0:
         return True
     capability = _kernel_capability(emulated, device)
-    k_contiguous = k <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
     if path in ("gemm", "gemv"):
-        return capability >= 89 and a.dtype in FP8_DTYPES and k_contiguous
-    return capability >= 80 and a.dtype != torch.float32 and k_contiguous  # upconvert
+        return capability >= 89 and a.dtype in FP8_DTYPES and _k_contiguous(a, b)
+    return capability >= 80 and a.dtype != torch.float32 and _k_contiguous(a, b)  # upconvert
 
 
 def _expected_path(path, a, b, rows=None):
@@ -67,8 +78,7 @@ def _expected_path(path, a, b, rows=None):
     of the call's last launch, if it is launched in parts."""
     if path != "auto":
         return path
-    k_contiguous = a.shape[1] <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
-    if a.dtype == torch.float32 or not k_contiguous:
+    if a.dtype == torch.float32 or not _k_contiguous(a, b):
         return "generic"
     if a.dtype not in FP8_DTYPES:
         return "upconvert"
@@ -91,19 +101,6 @@ def _check(emulated, path, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bf
         assert error <= TOLERANCE[out_dtype], f"relative error {error:.2e}: {what}"
         _assert_each_element_close(out, exact, out_dtype, what)
     return out
-
-
-def _operands(m, k, n, a_dtype=E4M3, b_dtype=E4M3, per_row=False, per_column=None):
-    per_column = per_row if per_column is None else per_column
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), dtype=a_dtype, granularity="row" if per_row else "tensor")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), dtype=b_dtype, granularity="row" if per_column else "tensor")
-    return a, w.t(), scale_a, scale_w.t() if per_column else scale_w
-
-
-def _blockwise_operands(m, k, n, a_dtype=E4M3):
-    a, scale_a = fp8linear.quantize_fp8(torch.randn(m, k), dtype=a_dtype, granularity="group")
-    w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="block")
-    return a, w.t(), scale_a, scale_w.t()
 
 
 @pytest.fixture(params=PATHS)

@@ -27,7 +27,6 @@ def test_every_code_decodes_exactly(dtype, cpu_variant):
     assert torch.equal(torch.signbit(out[nonzero]), torch.signbit(expected[nonzero]))
 
 
-
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("k", [1, 80])
 @pytest.mark.parametrize("m", [3, 8, 40, 300])  # (AVX512-BF16) dot, eight-row, skinny, tile kernels
@@ -47,6 +46,7 @@ def test_every_weight_code_decodes_exactly(dtype, k, m, activations, cpu_variant
     for row in out:
         assert torch.equal(torch.isnan(row), nan)
         assert torch.equal(row[~nan], expected[~nan])
+
 
 def _interesting_floats(dtype):
     fmax = torch.finfo(dtype).max

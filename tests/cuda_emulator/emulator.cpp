@@ -148,12 +148,12 @@ std::string run_block(Block& block, unsigned threads) {
   block.live = threads;
   block.arrived = 0;
   block.failure.clear();
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));  // each stack's guard page
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& fiber = block.fibers[i];
     fiber.thread = make_uint3(i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y));
     char* stack = stack_of(i);
     if (stack == nullptr) return "could not map the emulated threads' stacks";
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     getcontext(&fiber.context);
     fiber.context.uc_stack.ss_sp = stack + page;
     fiber.context.uc_stack.ss_size = kStackBytes - page;
@@ -393,8 +393,8 @@ void run_grid(dim3 grid, dim3 block_shape, size_t dynamic_shared_bytes, void (*b
 }
 
 // ---- emulated devices ---------------------------------------------------------
-// Index: what a test asks for. kernel_arch is the PTX target a build would run there
-// (an sm_80-only build on a Hopper GPU runs as 80; 0: the build has no code for it).
+// Index: what a test asks for. kernel_arch is the architecture a build's code runs as
+// there (an 8.0+PTX build on a Hopper GPU runs as 80; 0: the build has no code for it).
 struct EmulatedDevice {
   int major, minor, multiprocessors, kernel_arch;
 };
