@@ -172,4 +172,9 @@ RowView row_view(const at::Tensor& x) {
   return {copy, rows, cols, cols, 1};
 }
 
+RowView quantize_view(const at::Tensor& x, bool per_row) {
+  if (per_row || !x.is_contiguous()) return row_view(x);
+  return {x, x.numel() == 0 ? 0 : 1, x.numel(), x.numel(), 1};
+}
+
 }  // namespace fp8linear

@@ -74,5 +74,8 @@ struct RowView {
   int64_t rows, cols, row_stride, col_stride;
 };
 RowView row_view(const at::Tensor& x);
+// The view quantize_fp8 works on: a contiguous tensor is one long row for a per-tensor
+// scale (so that every thread or block gets a share of it); otherwise row_view.
+RowView quantize_view(const at::Tensor& x, bool per_row);
 
 }  // namespace fp8linear

@@ -206,9 +206,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, const s
     at::Tensor floor = at::full(scale_shape, scale_from_amax(0.0f, format), x.options().dtype(at::kFloat));
     return {q, scale.has_value() ? scale->clone() : floor};
   }
-  // A contiguous tensor is one long row for per-tensor scaling: every thread gets a share.
-  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, x.numel() == 0 ? 0 : 1, x.numel(), x.numel(), 1}
-                                                       : row_view(x);
+  const RowView view = quantize_view(x, per_row);  // holds the copy of x that row_view may make
   const fp8_quantize_params p = quantize_params_of(view, q, format);
   if (!per_row) {
     std::optional<float> static_scale;

@@ -51,31 +51,23 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   if (x.numel() == 0) {
     if (scale.has_value()) return {q, scale->clone()};
     const float floor = scale_from_amax(0.0f, format);  // amax of nothing is 0: the floor
-    return {q, per_row ? at::full(scale_shape, floor, float_options) : at::full({}, floor, float_options)};
+    return {q, at::full(scale_shape, floor, float_options)};
   }
-  // A contiguous tensor is one long row for a per-tensor scale: every block gets a share.
-  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, 1, x.numel(), x.numel(), 1} : row_view(x);
+  const RowView view = quantize_view(x, per_row);  // holds the copy of x that row_view may make
   const fp8_quantize_params p = quantize_params_of(view, q, format);
   const int multiprocessors = device_info(x.get_device()).multiprocessors;
-  if (!per_row) {
-    if (scale.has_value()) {
-      check_launch(fp8_cuda_quantize_static_launch(&p, scale->data_ptr<float>(), 0, multiprocessors, stream));
-      return {q, scale->clone()};
-    }
-    at::Tensor used = at::empty({}, float_options);
-    at::Tensor amax = at::empty({1}, x.options().dtype(at::kInt));
-    check_launch(fp8_cuda_quantize_tensor_dynamic_launch(&p, static_cast<unsigned int*>(amax.data_ptr()),
-                                                         used.data_ptr<float>(), multiprocessors, stream));
-    return {q, used};
-  }
   if (scale.has_value()) {
-    const at::Tensor row_scales = scale->contiguous();
-    check_launch(fp8_cuda_quantize_static_launch(&p, row_scales.data_ptr<float>(), 1, multiprocessors, stream));
+    const at::Tensor given = scale->contiguous();
+    check_launch(fp8_cuda_quantize_launch(&p, given.data_ptr<float>(), per_row, nullptr, nullptr, multiprocessors,
+                                          stream));
     return {q, scale->clone()};
   }
-  at::Tensor row_scales = at::empty(scale_shape, float_options);
-  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 0, stream));
-  return {q, row_scales};
+  at::Tensor scales = at::empty(scale_shape, float_options);  // () per tensor, x.shape[:-1] + (1,) per row
+  at::Tensor amax = per_row ? at::Tensor() : at::empty({1}, x.options().dtype(at::kInt));
+  check_launch(fp8_cuda_quantize_launch(&p, nullptr, per_row, scales.data_ptr<float>(),
+                                        per_row ? nullptr : static_cast<unsigned int*>(amax.data_ptr()),
+                                        multiprocessors, stream));
+  return {q, scales};
 }
 
 // Dynamic scales per row of a contiguous, non-empty 2-D x rounded up to powers of two
@@ -195,13 +187,10 @@ std::vector<std::string> cuda_paths() {
 }
 
 void set_cuda_path(const std::string& name) {
-  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
-    if (name == fp8_cuda_path_name(static_cast<fp8_cuda_path>(path))) {
-      forced_path.store(path);
-      return;
-    }
-  }
-  TORCH_CHECK_VALUE(false, "unknown CUDA path '", name, "'; expected one of: ", c10::Join(", ", cuda_paths()));
+  const fp8_cuda_path path = fp8_cuda_path_from_name(name.c_str());
+  TORCH_CHECK_VALUE(path != FP8_CUDA_PATH_COUNT, "unknown CUDA path '", name, "'; expected one of: ",
+                    c10::Join(", ", cuda_paths()));
+  forced_path.store(path);
 }
 
 // What a device gets without forcing: FP8 tensor cores, up-conversion, or the SIMT kernel.

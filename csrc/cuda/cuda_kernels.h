@@ -56,6 +56,15 @@ const char* fp8_cuda_quantize_static_launch(const fp8_quantize_params* p, const 
 const char* fp8_cuda_quantize_rows_dynamic_launch(const fp8_quantize_params* p, float* row_scales, int power_of_two,
                                                   cudaStream_t stream);
 
+// quantize_fp8 as the op runs it, on p of x's quantize view (rows, or one long row for a
+// per-tensor scale): with static_scale, that scale (scale[0], or scale[row] if per_row)
+// and scale_out untouched; with static_scale NULL, dynamic scales written to scale_out
+// (scale_out[0], or scale_out[row] if per_row) and amax_scratch (one device word) used
+// for the per-tensor amax. The op's bindings and the CUDA emulator's both call this.
+const char* fp8_cuda_quantize_launch(const fp8_quantize_params* p, const float* static_scale, int per_row,
+                                     float* scale_out, unsigned int* amax_scratch, int multiprocessors,
+                                     cudaStream_t stream);
+
 // ---- scaled_mm ----------------------------------------------------------------
 
 // The kernel families; tests force each one. AUTO picks per call (see scaled_mm.cu).
@@ -71,6 +80,9 @@ typedef enum {
 } fp8_cuda_path;
 
 const char* fp8_cuda_path_name(fp8_cuda_path path);
+// The path of that name among AUTO..COUNT - 1 (what set_cuda_path accepts), or
+// FP8_CUDA_PATH_COUNT if there is none.
+fp8_cuda_path fp8_cuda_path_from_name(const char* name);
 
 // Why `path` cannot run this call on the device `info` describes, or NULL if it can.
 const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p,

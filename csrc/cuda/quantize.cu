@@ -342,3 +342,11 @@ const char* fp8_cuda_quantize_tensor_dynamic_launch(const fp8_quantize_params* p
     return check_launch("quantize_kernel (dynamic per-tensor scale)");
   });
 }
+
+const char* fp8_cuda_quantize_launch(const fp8_quantize_params* p, const float* static_scale, int per_row,
+                                     float* scale_out, unsigned int* amax_scratch, int multiprocessors,
+                                     cudaStream_t stream) {
+  if (static_scale != nullptr) return fp8_cuda_quantize_static_launch(p, static_scale, per_row, multiprocessors, stream);
+  if (per_row) return fp8_cuda_quantize_rows_dynamic_launch(p, scale_out, 0, stream);
+  return fp8_cuda_quantize_tensor_dynamic_launch(p, amax_scratch, scale_out, multiprocessors, stream);
+}

@@ -16,6 +16,7 @@
 // disagree on whether products within one instruction are also truncated): within
 // the 1e-2 of 16-bit outputs, not the 1e-5 of float32 sums.
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "cuda_kernels.h"
@@ -126,6 +127,15 @@ const char* fp8_cuda_path_name(fp8_cuda_path path) {
     case FP8_CUDA_PATH_NONE: return "none";
     default: return "unknown";
   }
+}
+
+fp8_cuda_path fp8_cuda_path_from_name(const char* name) {
+  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
+    if (std::strcmp(name, fp8_cuda_path_name(static_cast<fp8_cuda_path>(path))) == 0) {
+      return static_cast<fp8_cuda_path>(path);
+    }
+  }
+  return FP8_CUDA_PATH_COUNT;
 }
 
 const char* fp8_cuda_path_refusal(fp8_cuda_path path, const fp8_scaled_mm_params* p,

@@ -44,10 +44,9 @@ void check_launch(const char* error) {
 }
 
 fp8_cuda_path path_of(const std::string& name) {
-  for (int path = FP8_CUDA_PATH_AUTO; path < FP8_CUDA_PATH_COUNT; ++path) {
-    if (name == fp8_cuda_path_name(static_cast<fp8_cuda_path>(path))) return static_cast<fp8_cuda_path>(path);
-  }
-  TORCH_CHECK_VALUE(false, "unknown CUDA path '", name, "'");
+  const fp8_cuda_path path = fp8_cuda_path_from_name(name.c_str());
+  TORCH_CHECK_VALUE(path != FP8_CUDA_PATH_COUNT, "unknown CUDA path '", name, "'");
+  return path;
 }
 
 // The device the launches run on (what the real ops' CUDAGuard sets).
@@ -88,29 +87,23 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, const std::
   const fp8_format format = fp8_format_of(dtype, "dtype");
   check_launch(fp8_cuda_pending_error("quantize_fp8"));
   at::Tensor q = at::full(x.sizes(), 0x7F, x.options().dtype(at::kByte)).view(dtype);  // unwritten codes: NaN
-  const RowView view = (!per_row && x.is_contiguous()) ? RowView{x, 1, x.numel(), x.numel(), 1} : row_view(x);
+  const RowView view = quantize_view(x, per_row);
   const fp8_quantize_params p = quantize_params_of(view, q, format);
   const int multiprocessors = device_info(device).multiprocessors;
   const at::TensorOptions float_options = x.options().dtype(at::kFloat);
-  if (!per_row) {
-    if (scale.has_value()) {
-      check_launch(fp8_cuda_quantize_static_launch(&p, scale->data_ptr<float>(), 0, multiprocessors, nullptr));
-      return {q, scale->clone()};
-    }
-    at::Tensor used = at::full({}, NAN, float_options);
-    at::Tensor amax = at::full({1}, 0x7F7F7F7F, x.options().dtype(at::kInt));  // garbage the launcher must clear
-    check_launch(fp8_cuda_quantize_tensor_dynamic_launch(&p, static_cast<unsigned int*>(amax.data_ptr()),
-                                                         used.data_ptr<float>(), multiprocessors, nullptr));
-    return {q, used};
-  }
   if (scale.has_value()) {
-    const at::Tensor row_scales = scale->contiguous();
-    check_launch(fp8_cuda_quantize_static_launch(&p, row_scales.data_ptr<float>(), 1, multiprocessors, nullptr));
+    const at::Tensor given = scale->contiguous();
+    check_launch(fp8_cuda_quantize_launch(&p, given.data_ptr<float>(), per_row, nullptr, nullptr, multiprocessors,
+                                          nullptr));
     return {q, scale->clone()};
   }
-  at::Tensor row_scales = at::full(scale_shape, NAN, float_options);
-  check_launch(fp8_cuda_quantize_rows_dynamic_launch(&p, row_scales.data_ptr<float>(), 0, nullptr));
-  return {q, row_scales};
+  // outputs and scratch start as garbage (NaN scales, a nonzero amax) that the launch must overwrite
+  at::Tensor scales = at::full(scale_shape, NAN, float_options);
+  at::Tensor amax = at::full({1}, 0x7F7F7F7F, x.options().dtype(at::kInt));
+  check_launch(fp8_cuda_quantize_launch(&p, nullptr, per_row, scales.data_ptr<float>(),
+                                        per_row ? nullptr : static_cast<unsigned int*>(amax.data_ptr()),
+                                        multiprocessors, nullptr));
+  return {q, scales};
 }
 
 // One dynamic scale per row of a 2-D x, rounded up to a power of two (the ue8m0 groups).
