@@ -40,23 +40,34 @@ void advise_huge_pages(void* data, int64_t bytes) {
 
 void advise_huge_pages(const at::Tensor& tensor) { advise_huge_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size()); }
 
-// Memory for scaled_mm's kernels (the plan's workspace, then a scratch area per thread),
-// kept by each calling thread between calls and grown when a call needs more: fresh
-// buffers of megabytes per call cost page faults, and on VMs that hand freed memory
-// back to the host (free page reporting), faults through the host; the AMX kernel at
-// M = 1024 (8 MiB of workspace) ran at half speed in such phases. Calls whose workspace
-// is over kKeptWorkspaceBytes (M x K beyond ~32 M elements) get a buffer of their own,
-// freed after; the per-thread scratch (at most ~1 MiB a thread) does not count, so that
-// a server with many threads keeps its buffer too.
+#if !defined(__SANITIZE_ADDRESS__)
+// A buffer from aligned_alloc (64-byte aligned, any size), freed with std::free.
+struct FreeBuffer {
+  void operator()(uint8_t* pointer) const { std::free(pointer); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeBuffer>;
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+Buffer allocate_kernel_memory(int64_t bytes, const char* what) {
+  Buffer buffer(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(round_up(bytes, 64)))));
+  TORCH_CHECK(buffer, "fp8linear: could not allocate ", bytes, " bytes of scaled_mm ", what);
+  return buffer;
+}
+
+// The plan's workspace (the packed activations, shared by the call's threads), kept by
+// each calling thread between calls and grown when a call needs more: fresh buffers of
+// megabytes per call cost page faults, and on VMs that hand freed memory back to the
+// host (free page reporting), faults through the host; the AMX kernel at M = 1024 (8 MiB
+// of workspace) ran at half speed in such phases. Calls whose workspace is over
+// kKeptWorkspaceBytes (M x K beyond ~32 M elements) get a buffer of their own, freed after.
 class KernelMemory {
  public:
-  uint8_t* get(int64_t workspace_bytes, int64_t scratch_bytes) {
-    const int64_t bytes = workspace_bytes + scratch_bytes;
+  uint8_t* get(int64_t bytes) {
     if (bytes <= kept_bytes_) return kept_.get();
-    Buffer fresh(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(round_up(bytes, 64)))));
-    TORCH_CHECK(fresh, "fp8linear: could not allocate ", bytes, " bytes of scaled_mm workspace");
+    Buffer fresh = allocate_kernel_memory(bytes, "workspace");
     advise_huge_pages(fresh.get(), bytes);
-    if (workspace_bytes > kKeptWorkspaceBytes) {
+    if (bytes > kKeptWorkspaceBytes) {
       once_ = std::move(fresh);
       return once_.get();
     }
@@ -66,19 +77,34 @@ class KernelMemory {
   }
   void release_once() { once_.reset(); }
 
-  static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
-
  private:
   static constexpr int64_t kKeptWorkspaceBytes = int64_t{64} << 20;
-  struct Free {
-    void operator()(uint8_t* pointer) const { std::free(pointer); }
-  };
-  using Buffer = std::unique_ptr<uint8_t, Free>;
   Buffer kept_, once_;
   int64_t kept_bytes_ = 0;
 };
 
-#if defined(__SANITIZE_ADDRESS__)
+// A thread's scratch area for the kernels (the widened weight panel, the register tiles'
+// sums: at most ~1 MiB), a buffer of the thread's own, allocated and first touched by the
+// thread that runs the kernels, kept between calls and grown when a call needs more. It
+// used to follow the workspace in the caller's buffer, thread t's at t x scratch_bytes:
+// there the second thread of two ran its equal share of the tile kernel 6% slower than
+// the first in the host's calm periods and 25% slower in others (1536 x 576 at M = 2048,
+// AMD EPYC Zen 4: 9.1 and 10.8 ms against 8.55), and the call waited for it. The slowness
+// followed the scratch slot (given the other thread's slot, the first thread was the slow
+// one) and went away with a 64 KiB gap between the slots, not with a 4 KiB one; the
+// mechanism (cache sets, prefetchers) is not known. Each thread's own buffer: both 8.6 ms.
+uint8_t* thread_scratch(int64_t bytes) {
+  thread_local Buffer buffer;
+  thread_local int64_t buffer_bytes = 0;
+  if (bytes > buffer_bytes) {
+    buffer.reset();
+    buffer = allocate_kernel_memory(bytes, "scratch");
+    buffer_bytes = bytes;
+  }
+  return buffer.get();
+}
+
+#else
 // scaled_mm's memory in the instrumented build: one allocation per buffer, each exactly
 // as large as the plan says (ASan's redzones follow each), freed after the call.
 class ExactBuffers {
@@ -322,19 +348,18 @@ void run_scaled_mm(const fp8_scaled_mm_params& given) {
   const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, given.k, threads);
 #if defined(__SANITIZE_ADDRESS__)
   // The instrumented build (make sanitize) gives the workspace and each thread's scratch
-  // buffers of their own, of exactly the sizes the plan asked for: in the one shared
-  // buffer below, a kernel writing past its workspace would land in scratch unseen.
+  // fresh buffers of exactly the sizes the plan asked for, freed after the call: in the
+  // kept buffers below, which may be larger, a kernel writing past its share would go
+  // unseen.
   ExactBuffers exact(plan.workspace_bytes, plan.scratch_bytes, threads);
   uint8_t* const workspace = exact.workspace();
   const auto scratch = [&] { return exact.scratch(at::get_thread_num() % threads); };
 #else
   thread_local KernelMemory kernel_memory;
-  const int64_t workspace_bytes = KernelMemory::round_up(plan.workspace_bytes, 64);
-  const int64_t scratch_bytes = KernelMemory::round_up(plan.scratch_bytes, 64);
-  uint8_t* const workspace = kernel_memory.get(workspace_bytes, threads * scratch_bytes);
-  // Each thread of the pool has its own scratch area. A call made inside another parallel
-  // region runs its loops on the calling thread alone, whose number may exceed the pool's.
-  const auto scratch = [&] { return workspace + workspace_bytes + (at::get_thread_num() % threads) * scratch_bytes; };
+  uint8_t* const workspace = kernel_memory.get(plan.workspace_bytes);
+  // (a call made inside another parallel region runs its loops on the calling thread alone)
+  const int64_t scratch_bytes = plan.scratch_bytes;
+  const auto scratch = [scratch_bytes] { return thread_scratch(scratch_bytes); };
 #endif
   // Block scales a power of two apart: folded into the operands, the call runs per row and column.
   fp8_scaled_mm_params folded;
