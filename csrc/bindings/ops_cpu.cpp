@@ -97,7 +97,8 @@ uint8_t* thread_scratch(int64_t bytes) {
   thread_local Buffer buffer;
   thread_local int64_t buffer_bytes = 0;
   if (bytes > buffer_bytes) {
-    buffer.reset();
+    buffer.reset();  // the old one first (a failed allocation below leaves none, and size 0)
+    buffer_bytes = 0;
     buffer = allocate_kernel_memory(bytes, "scratch");
     buffer_bytes = bytes;
   }
