@@ -53,6 +53,11 @@ def path(request):
         yield request.param
 
 
+def _k_contiguous(a, b):
+    """Whether a's rows and b's columns (w's rows) are K-contiguous, as the tensor-core kernels need."""
+    return a.shape[1] <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
+
+
 def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     """Whether a forced path takes this call (the rules of csrc/cuda/scaled_mm.cu and
     cublaslt.cu); when it does not, the op must raise rather than fall back."""
@@ -64,7 +69,7 @@ def _can_run(path, a, b, scale_a, scale_b, bias, out_dtype):
     a_blocked = scale_a.dim() == 2 and scale_a.shape[1] == k_blocks != 1
     b_blocked = scale_b.dim() == 2 and scale_b.numel() != 1 and tuple(scale_b.shape) != (1, n)
     blocked = a_blocked or b_blocked
-    k_contiguous = k <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
+    k_contiguous = _k_contiguous(a, b)
     a_fp8 = a.dtype in FP8_DTYPES
     if path in ("gemm", "gemv"):
         return a_fp8 and k_contiguous

@@ -20,7 +20,7 @@ import fp8linear
 from conftest import FLOAT_DTYPES, FP8_DTYPES, relative_error
 from fp8linear import reference
 import test_cuda
-from test_cuda import TOLERANCE, _assert_each_element_close  # the GPU tests' bounds
+from test_cuda import TOLERANCE, _assert_each_element_close, _k_contiguous  # the GPU tests' bounds and rules
 from test_guard_pages import GuardedMemory
 
 pytestmark = pytest.mark.skipif(cuda_emulation.cuda_home() is None, reason="needs the CUDA toolkit's headers")
@@ -49,11 +49,6 @@ def _no_undefined_behaviour():
 # the GPU tests' operands, on the CPU
 _operands = functools.partial(test_cuda._operands, device="cpu")
 _blockwise_operands = functools.partial(test_cuda._blockwise_operands, device="cpu")
-
-
-def _k_contiguous(a, b):
-    """Whether a's rows and b's columns (w's rows) are K-contiguous, as the tensor-core kernels need."""
-    return a.shape[1] <= 1 or (a.stride(1) == 1 and b.stride(0) == 1)
 
 
 def _kernel_capability(emulated, device):
