@@ -313,8 +313,8 @@ static panel_ahead_t panel_ahead(const fp8_scaled_mm_params* p, int64_t n0, int6
 /* Line kk (from its k0) of row c of the panel ahead, into L2. Always inlined: GCC split the
  * condition's body, the prefetch alone, into a function of its own, found that function
  * free of side effects and removed its calls, prefetch and all. */
-BF16_TARGET ALWAYS_INLINE void prefetch_panel_ahead(const fp8_scaled_mm_params* p, const panel_ahead_t* ahead, int64_t c,
-                                        int64_t kk) {
+BF16_TARGET ALWAYS_INLINE void prefetch_panel_ahead(const fp8_scaled_mm_params* p, const panel_ahead_t* ahead,
+                                                    int64_t c, int64_t kk) {
   if (c < ahead->cols && kk < ahead->k_left)
     _mm_prefetch((const char*)(ahead->row0 + c * p->b_col_stride + kk), _MM_HINT_T1);
 }
