@@ -1,7 +1,7 @@
 /* fp8 -> bf16 widening in AVX-512 registers, shared by the AVX512-BF16 kernels
- * (gemm_avx512_bf16.c, gemm_avx512_bf16_dot.c), their epilogue (gemm_bf16_epilogue.c)
- * and the AMX kernels (gemm_amx.c), with the 16 x 16 float transpose that activation packing and the
- * epilogues share. Only csrc/cpu/ includes this.
+ * (gemm_avx512_bf16.c, gemm_avx512_bf16_skinny.c, gemm_avx512_bf16_dot.c), their epilogue
+ * (gemm_bf16_epilogue.c) and the AMX kernels (gemm_amx.c), with the 16 x 16 float transpose
+ * that activation packing and the epilogues share. Only csrc/cpu/ includes this.
  *
  * 64 fp8 bytes -> two vectors of 32 bf16 with two 128-entry byte table lookups
  * (vpermt2b: high and low byte of each bf16, indexed by the 7 magnitude bits), the
@@ -18,6 +18,10 @@
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Activation rows per vector in the layout fp8_bf16_prepare packs them in for the tile,
+ * skinny and AMX kernels (groups of 16 rows, a vector per k-pair). */
+enum { TILE_LANES = 16 };
 
 /* ---- widening tables ------------------------------------------------------ */
 

@@ -85,8 +85,8 @@ enum { FP8_BF16_SKINNY_MAX_ROWS = 64 };
  * block of rows, never split), the eight-row kernel, 16 weight rows at a time. */
 enum { FP8_BF16_ROWS8 = 8 };
 
-/* The AVX512-BF16 kernels (gemm_avx512_bf16.c, gemm_avx512_bf16_dot.c); scratch:
- * fp8_bf16_scratch_bytes per thread. */
+/* The AVX512-BF16 kernels (gemm_avx512_bf16.c, gemm_avx512_bf16_skinny.c,
+ * gemm_avx512_bf16_dot.c); scratch: fp8_bf16_scratch_bytes per thread. */
 int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_bf16_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,
                       int64_t m_begin, int64_t m_end);
@@ -95,6 +95,10 @@ void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan
 /* Its dot kernel (gemm_avx512_bf16_dot.c), on the activation rows that prepare widened. */
 void fp8_bf16_dot_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint16_t* activations,
                           int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+/* Its skinny and eight-row kernels (gemm_avx512_bf16_skinny.c, M = 5-64), on the row groups
+ * that prepare packed; scratch: their block-wise scale_a table. */
+void fp8_bf16_skinny_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
+                             void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 /* Where the float32 sum of output column c, row r (both from 0) of a block lies:
  * sums[(c / 16) * col_group + (c % 16) * col + (r / 16) * row_group + r % 16]. */
 typedef struct {

@@ -16,11 +16,12 @@
  *   buffer and reuse it for a chunk of up to 192 rows (widened again per chunk,
  *   1/192 of the work or less); activations are packed so that one
  *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
- * - skinny kernel (9 <= M <= 64): the tile kernel's data layout for one group of
- *   16 rows at a time, with the widening of the next small panel interleaved with
- *   the dot products of the current one;
- * - eight-row kernel (5 <= M <= 8): the skinny kernel's loop over 8 rows packed two
- *   k-pairs to a lane pair, so that (at M = 8) no lane works on a padding row.
+ * - skinny kernel (9 <= M <= 64; in gemm_avx512_bf16_skinny.c): the tile kernel's data
+ *   layout for one group of 16 rows at a time, with the widening of the next small
+ *   panel interleaved with the dot products of the current one;
+ * - eight-row kernel (5 <= M <= 8; gemm_avx512_bf16_skinny.c too): the skinny kernel's
+ *   loop over 8 rows packed two k-pairs to a lane pair, so that (at M = 8) no lane works
+ *   on a padding row.
  * On this Zen 5 the widening shuffles and the dot products compete for the same
  * vector pipes (widen64 alone: ~2.7 cycles; in a phase of its own beside the dot
  * products it adds as much), so the kernels are shaped to widen each weight as few
@@ -94,7 +95,6 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
 /* ---- tile kernel (large M) ------------------------------------------------- */
 
 enum {
-  TILE_LANES = 16,        /* activation rows per vector */
   TILE_VECTORS = 3,       /* activation vectors per register tile: 48 rows */
   TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
   TILE_WHOLE_K_MAX = 2048, /* up to this K (padded) a panel holds all of K: 64 x 2048 bf16 = 256 KiB */
@@ -320,15 +320,14 @@ BF16_TARGET ALWAYS_INLINE void prefetch_panel_ahead(const fp8_scaled_mm_params* 
 }
 
 /* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block), widened into `panel`
- * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero); the panel
- * TILE_PREFETCH_PANELS ahead (in this thread's columns, up to n_end) prefetched. Folded
+ * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero); the panel `ahead`
+ * prefetched. Folded
  * block scales (p->fold_b): the panel's rows lie in one block of 128 weight rows (n0 is a
  * multiple of 64), so one set of shifted tables serves each 128 k of them. */
 BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t n0,
-                                           int64_t n_end, int64_t cols, int64_t k0, int64_t k_block,
-                                           int64_t panel_k, uint16_t* panel) {
+                                           int64_t cols, int64_t k0, int64_t k_block, const panel_ahead_t* ahead,
+                                           uint16_t* panel) {
   for (int64_t c = cols; c < TILE_PANEL_COLS; ++c) memset(panel + c * k_block, 0, sizeof(uint16_t) * (size_t)k_block);
-  const panel_ahead_t ahead = panel_ahead(p, n0, n_end, k0, panel_k);
   if (p->fold_b) {
     const int8_t* shifts = p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks;
     for (int64_t kb0 = 0; kb0 < k_block; kb0 += FP8_SCALE_BLOCK) { /* k0: 0 or a multiple of 256 */
@@ -337,7 +336,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
       for (int64_t c = 0; c < cols; ++c) {
         const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
         for (int64_t kk = kb0; kk < kb1; kk += 64) {
-          prefetch_panel_ahead(p, &ahead, c, kk);
+          prefetch_panel_ahead(p, ahead, c, kk);
           widen64_store(&shifted, row + k0 + kk, p->k - (k0 + kk), panel + c * k_block + kk);
         }
       }
@@ -351,7 +350,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
       /* 64 rows x 4 lines at a time are more streams than the hardware prefetchers follow
        * (M = 64, 4096 x 4096, one thread: 7.2 ms per call without a software prefetch,
        * 5.1 ms with one) */
-      prefetch_panel_ahead(p, &ahead, c, kk);
+      prefetch_panel_ahead(p, ahead, c, kk);
       widen64_store(t, row + k0 + kk, p->k - (k0 + kk), dest + kk);
     }
   }
@@ -372,7 +371,8 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
     for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
       const int64_t k_block = kp - k0 < panel_k ? kp - k0 : panel_k;
-      widen_weight_panel(p, &t, n0, n_end, cols, k0, k_block, panel_k, panel);
+      const panel_ahead_t ahead = panel_ahead(p, n0, n_end, k0, panel_k);
+      widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, panel);
       for (int64_t r0 = 0; r0 < rows;) {
         const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
         /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as 2 + 2
@@ -421,175 +421,6 @@ BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu
     tile_kernel_rows(p, plan, packed, scratch, m0, m_end - m0 < chunk_rows ? m_end : m0 + chunk_rows, n_begin, n_end);
 }
 
-/* ---- skinny kernel (groups of 16 activation rows, up to 64 rows) ----------- */
-
-/* Weight rows 16 at a time, over all of K in steps of 64: the 16 x 64 bf16 panel
- * of the next step is widened while the dot products of this one run (one row of
- * it every two k-pairs, in L1), so the shuffles of the widening fill gaps among
- * the dot products instead of stalling them in a phase of their own; the 16 x 16
- * sums stay in registers for all of K (K-blocked calls: for each block of 128 k). The
- * tile kernel, which widens 64 x 256 panels between its register tiles, spent ~30% of
- * its time widening at M = 16.
- * Up to 4 groups of 16 rows take it in turn, each widening the 16 weight rows again:
- * scaled_mm, 14336 x 4096, 2 threads, AMD EPYC Zen 4, three alternated rounds, tile
- * kernel vs this: M = 48 0.32-0.33 vs 0.38-0.41 TFLOP/s, M = 64 0.35-0.36 vs 0.39-0.42
- * (the tile kernel's 2 x 8 register tiles at M = 64 and this one's 1 x 16 both run
- * at the dot products' rate from L1 there; the tile kernel loses on its panel and
- * sums traffic). */
-enum { SKINNY_COLS = 16, SKINNY_STEP = 64, SKINNY_PREFETCH = 256 };
-
-BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const uint8_t* row, int64_t k_left,
-                                                uint16_t* dest, const uint8_t* next_block_line) {
-  _mm_prefetch((const char*)(row + SKINNY_PREFETCH), _MM_HINT_T0);
-  _mm_prefetch((const char*)next_block_line, _MM_HINT_T1);
-  widen64_store(t, row, k_left, dest); /* the step after the last one reads nothing */
-}
-
-/* 16 weight rows from n0 (`cols` of them real) against one group of activation rows
- * over all of K, their sums into `sums` ([column][16 lanes]). The group is 16 rows
- * packed by pack_activation_group (a vector per k-pair, one row per lane, the weight's
- * pair broadcast as 32 bits) or, with EIGHT_ROWS, 8 rows packed by
- * pack_activation_rows8 (a vector per two k-pairs, lane 2r + h summing row r's pairs of
- * parity h, the weight's two pairs broadcast as 64 bits; the two lanes of a row are
- * added at the end into lane r). At M = 8 the eight-row form leaves no lane on a
- * padding row where a 16-row group would leave half of them, and still widens each
- * weight once.
- * Compiled once per BLOCKED and EIGHT_ROWS: with the K-blocked branch inside the step
- * loop, the compiler kept the 16 accumulators in memory and stored all of them after
- * every two k-pairs (16 zmm stores per 32 dot products), which held the kernel near
- * half the dot-product rate on an AMD EPYC Zen 4 (M = 16, 512 x 4096 from cache, one
- * thread: 0.12 TFLOP/s). */
-BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, const widen_tables_t* t,
-                                              const uint32_t* group, int64_t kp, int64_t n0,
-                                              int64_t cols, uint16_t (*panels)[SKINNY_COLS * SKINNY_STEP],
-                                              float* sums, const __m512* scale_a_blocks, const int BLOCKED,
-                                              const int EIGHT_ROWS) {
-  const int64_t k = p->k;
-  const uint8_t* rows[SKINNY_COLS];
-  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
-    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
-  /* The next 16 weight rows follow these in memory (16 x K bytes): one line of them is
-   * fetched into L2 per row widened, so that the next block starts without waiting on
-   * memory. With K = 576 a block is only 9 steps, and the first few of them stalled on
-   * the lines that the prefetch within rows had not reached (1536 x 576, M = 16:
-   * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
-  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
-  int64_t next_line = 0;
-  /* folded block scales (p->fold_b): the 16 rows and each step's 64 k lie in one block of
-   * 128 x 128, so each step widens through one set of shifted tables */
-  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
-  const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
-  for (int c = 0; c < SKINNY_COLS; ++c)
-    skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
-  /* k values per activation vector: 2 (a pair for 16 rows) or 4 (two pairs for 8 rows) */
-  const int64_t k_per_vector = EIGHT_ROWS ? 4 : 2;
-  /* K-blocked scales: each block of 128 k is summed from zero, and its sums, scaled, join
-   * the totals kept in `sums` (in memory: 16 more registers would spill) */
-  const int64_t span = BLOCKED ? (int64_t)FP8_SCALE_BLOCK : kp;
-  for (int64_t block0 = 0; block0 < kp; block0 += span) {
-    const int64_t block_end = kp - block0 < span ? kp : block0 + span;
-    __m512 acc[SKINNY_COLS];
-    for (int j = 0; j < SKINNY_COLS; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t k0 = block0; k0 < block_end; k0 += SKINNY_STEP) {
-      const int step = (int)((k0 / SKINNY_STEP) & 1);
-      const uint32_t* panel = (const uint32_t*)panels[step];
-      uint16_t* next = panels[step ^ 1];
-      const uint32_t* a = group + (k0 / k_per_vector) * TILE_LANES;
-      const int64_t next_k = k0 + SKINNY_STEP;
-      const widen_tables_t tables =
-          shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
-      /* 32 k-pairs: per row of the next panel, two vectors of one pair or one of two */
-      for (int c = 0; c < SKINNY_COLS; ++c) {
-        skinny_widen_row(&tables, rows[c] + next_k, k - next_k, next + c * SKINNY_STEP, next_block + 64 * next_line++);
-        for (int v = 0; v < (EIGHT_ROWS ? 1 : 2); ++v) {
-          const int vector = EIGHT_ROWS ? c : 2 * c + v;
-          const __m512bh av = (__m512bh)_mm512_load_si512(a + vector * TILE_LANES);
-          for (int j = 0; j < SKINNY_COLS; ++j) {
-            const uint32_t* w = panel + j * (SKINNY_STEP / 2) + (EIGHT_ROWS ? 2 * c : vector);
-            const __m512i wv = EIGHT_ROWS ? _mm512_set1_epi64(*(const long long*)w) : _mm512_set1_epi32((int)*w);
-            acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)wv);
-          }
-        }
-      }
-    }
-    if (!BLOCKED) {
-      for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
-      continue;
-    }
-    /* the block's sums go through memory before they are scaled: computed beside the live
-     * accumulators, the scales took registers enough that the compiler kept the
-     * accumulators in memory inside the step loop */
-    float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
-    for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
-    const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    const __m512 scale_a = _mm512_loadu_ps((const float*)(scale_a_blocks + kb));
-    /* block scale_b: the 16 columns lie in one block of 128 rows (n0 is a multiple of 16;
-     * columns past N are padding), so one scale serves them all */
-    const __m512 block_scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
-    for (int j = 0; j < SKINNY_COLS; ++j) {
-      const __m512 scale =
-          p->scale_b_blocked ? block_scale : _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
-      const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
-      float* at = sums + j * TILE_LANES;
-      _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
-    }
-  }
-  if (!EIGHT_ROWS) return;
-  /* row r's two lanes added into lane r (lanes 8-15: never stored) */
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int j = 0; j < SKINNY_COLS; ++j) {
-    const __m512 v = _mm512_load_ps(sums + j * TILE_LANES);
-    _mm512_store_ps(sums + j * TILE_LANES, _mm512_add_ps(_mm512_permutexvar_ps(even, v), _mm512_permutexvar_ps(odd, v)));
-  }
-}
-
-/* Rows [m_begin, m_end), m_begin a multiple of 16: for each 16 weight rows, every group
- * of 16 activation rows in turn (the weight rows read from memory once, from L1/L2 for
- * the groups after the first, and widened again per group between dot products).
- * M = 5-8 (the eight-row kernel): one group of 8 rows. */
-BF16_TARGET static void skinny_kernel(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
-                                      const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
-                                      int64_t n_begin, int64_t n_end) {
-  const widen_tables_t t = load_widen_tables(p->b_format);
-  const int64_t kp = plan->k_padded;
-  uint16_t panels[2][SKINNY_COLS * SKINNY_STEP] __attribute__((aligned(64)));
-  float sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
-  const int blocked = fp8_k_blocked(p);
-  /* M = 5-8: all rows in one group packed by pack_activation_rows8 (m_begin = 0) */
-  const int eight_rows = plan->m_padded == FP8_BF16_ROWS8;
-  /* K-blocked: each group's scale_a per block of 128 k, gathered once here rather than
-   * for every 16 weight rows (M = 8, 4096 x 4096 block-wise, 2 threads: ~8% of a call);
-   * eight rows: lane 2r + h takes row r's scale */
-  __m512* scale_a_blocks = (__m512*)scratch; /* [group][k block] */
-  const int64_t k_blocks = (kp + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-  if (blocked)
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES)
-      for (int64_t kb = 0; kb < k_blocks; ++kb) {
-        const __m512 rows_scale = fp8_block_scale_a16(p, m0, kb);
-        _mm512_storeu_ps((float*)(scale_a_blocks + (m0 - m_begin) / TILE_LANES * k_blocks + kb),
-                         eight_rows ? _mm512_permutexvar_ps(
-                                          _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), rows_scale)
-                                    : rows_scale);
-      }
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
-    const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += TILE_LANES) {
-      const uint32_t* group = packed + (m0 / TILE_LANES) * (kp / 2) * TILE_LANES; /* [pair][16 rows] */
-      const __m512* scales = scale_a_blocks + (m0 - m_begin) / TILE_LANES * k_blocks;
-      if (eight_rows) {
-        if (blocked) skinny_columns(p, &t, group, kp, n0, cols, panels, sums, scales, 1, 1);
-        else skinny_columns(p, &t, group, kp, n0, cols, panels, sums, NULL, 0, 1);
-      } else {
-        if (blocked) skinny_columns(p, &t, group, kp, n0, cols, panels, sums, scales, 1, 0);
-        else skinny_columns(p, &t, group, kp, n0, cols, panels, sums, NULL, 0, 0);
-      }
-      fp8_bf16_tile_epilogue(p, sums, fp8_sums_by_column(TILE_LANES), m0, m_end - m0 < TILE_LANES ? m_end : m0 + TILE_LANES,
-                             n0, cols);
-    }
-  }
-}
-
 /* ---- entry points ---------------------------------------------------------- */
 
 /* Per thread: the tile kernel's panel and sums (one row chunk) or the skinny kernel's
@@ -631,7 +462,7 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   if (plan->method == FP8_MM_BF16_DOT) {
     fp8_bf16_dot_compute(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
   } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
-    skinny_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
+    fp8_bf16_skinny_compute(p, plan, (const uint32_t*)workspace, scratch, m_begin, m_end, n_begin, n_end);
   } else {
     tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
   }
