@@ -134,9 +134,11 @@ void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
 
 /* Activation rows [m_begin, m_end) -> float32 workspace rows of plan->k_padded (zero
  * padded) for the AVX2 kernels (gemm.c); fp8 activations times fp8_factor (a power of
- * two: exact). */
+ * two: exact). lanes4 (the dot kernel's float32 route, fp8_avx2_float32_route): within
+ * each 32 k, position 8t + j holds k = 4j + t (t = 0..3, j = 0..7), the order in which
+ * that route widens the weights (gemm_avx2.c). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end, float fp8_factor);
+                       int64_t m_begin, int64_t m_end, float fp8_factor, int lanes4);
 
 /* The AVX2 kernels (gemm_avx2.c, gemm_avx2_panel.c), over the same float32 workspace (K rounded up to 32;
  * the panel kernel's also holds a table of block-wise activation scales after it):

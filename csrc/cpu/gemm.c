@@ -23,9 +23,10 @@ const float* fp8_decode_table(fp8_format format) {
 
 #if FP8_X86_KERNELS
 /* Activation rows -> float32 rows of plan->k_padded, zero padded, for the AVX2 kernels
- * (gemm_avx2.c, gemm_avx2_panel.c); fp8 activations times fp8_factor (a power of two: exact). */
+ * (gemm_avx2.c, gemm_avx2_panel.c); fp8 activations times fp8_factor (a power of two: exact);
+ * with lanes4, each 32 k in the float32 route's order (cpu_internal.h). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end, float fp8_factor) {
+                       int64_t m_begin, int64_t m_end, float fp8_factor, int lanes4) {
   const float* decode = fp8_decode_table(p->a_format);
   for (int64_t m = m_begin; m < m_end; ++m) {
     float* row = (float*)workspace + m * plan->k_padded;
@@ -35,6 +36,12 @@ void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
                              : decode[((const uint8_t*)p->a)[offset]] * fp8_factor;
     }
     for (int64_t k = p->k; k < plan->k_padded; ++k) row[k] = 0.0f;
+    for (int64_t k0 = 0; lanes4 && k0 < plan->k_padded; k0 += 32) { /* k_padded: a multiple of 32 */
+      float group[32];
+      memcpy(group, row + k0, sizeof group);
+      for (int t = 0; t < 4; ++t)
+        for (int j = 0; j < 8; ++j) row[k0 + 8 * t + j] = group[4 * j + t];
+    }
   }
 }
 #endif
@@ -220,7 +227,7 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
   else if (plan->method == FP8_MM_AVX2_PANEL)
     fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
-    fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p));
+    fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p), fp8_avx2_float32_route(p));
 #else
   (void)p, (void)plan, (void)workspace, (void)scratch, (void)m_begin, (void)m_end; /* the scalar kernel reads a as it is */
 #endif

@@ -21,10 +21,11 @@
  * from memory, 2 threads, AMD EPYC Zen 3: 9.4 -> 2.0-2.4 ms).
  *
  * The float32 route (e4m3fn weights against fp8 activations, W8A8, the default scheme):
- * each code is sign-extended into a 32-bit lane (vpmovsxbd), shifted left by 20 and
- * masked, which puts its sign on float32's and its 7 magnitude bits on the low exponent
- * and top mantissa bits: the lane reads the value times 2^-120 exactly, e4m3 subnormals as
- * float32 denormals. The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values
+ * each code is loaded into the top byte of a 32-bit lane (an unaligned load 3 bytes before
+ * it: four loads cover 32 codes, lane j of load t holding code 4j + t, and the activations
+ * are laid out in that order), shifted right by 4 (arithmetic) and masked, which puts its
+ * sign on float32's and its 7 magnitude bits on the low exponent and top mantissa bits:
+ * the lane reads the value times 2^-120 exactly, e4m3 subnormals as float32 denormals. The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values
  * times 2^100 stay below 2^116) and each sum is multiplied by 2^20 at the end (exact;
  * block-wise calls: each block's sum, before its scales), so every nonzero product is at
  * least 2^-45, far from float32's denormals. Denormal weights must not
@@ -75,11 +76,22 @@ float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p) {
   return fp8_avx2_float32_route(p) ? FLOAT32_ROUTE_ACTIVATION_FACTOR : 1.0f;
 }
 
-/* The float32 route: 8 e4m3fn codes at row[0..8) -> their values times 2^-120, in order
- * (NaN codes as 480 * 2^-120). */
-AVX2_TARGET ALWAYS_INLINE __m256 widen8_float32_route(const uint8_t* row) {
-  const __m256i lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)row));
-  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(lanes, 20), _mm256_set1_epi32((int)0x87F00000u)));
+/* The float32 route: vector t (0..3) of the 32 codes at row[0..32) -> codes 4j + t (j =
+ * 0..7, lane j) as their values times 2^-120 (NaN codes as 480 * 2^-120). A 32-byte load
+ * from row - 3 + t puts code 4j + t in the top byte of lane j (the other three bytes are
+ * its neighbours); an arithmetic shift right by 4 moves its magnitude to bits 20-26 and
+ * copies its sign over bits 27-31, and the mask keeps bit 31 and bits 20-26. FIRST (the
+ * row's first 32 k, where row - 3 may lie before the weights): the same lanes shifted in
+ * from `bytes`, row[0..32), 3 - t bytes left within each 128-bit half. The activations are
+ * laid out to match (fp8_float_prepare's lanes4). */
+AVX2_TARGET ALWAYS_INLINE __m256 widen8_float32_route(const uint8_t* row, __m256i bytes, const int t, const int FIRST) {
+  __m256i lanes;
+  if (FIRST)
+    lanes = t == 0 ? _mm256_slli_si256(bytes, 3) : t == 1 ? _mm256_slli_si256(bytes, 2)
+          : t == 2 ? _mm256_slli_si256(bytes, 1) : bytes;
+  else
+    lanes = _mm256_loadu_si256((const __m256i*)(row - 3 + t));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(lanes, 4), _mm256_set1_epi32((int)0x87F00000u)));
 }
 
 /* The 32 codes at row[0..32) -> w[0..4) = codes 0..8, 8..16, 16..24, 24..32 by the float16
@@ -135,6 +147,48 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
      * 4 processes each, alternated, medians of 9 rounds: 1.22-1.25 with T0, 1.24-1.27 */
     for (int c = 0; c < COLS; ++c) _mm_prefetch((const char*)weights[c] + COLS * weight_stride + k0, _MM_HINT_T0);
   }
+  if (FLOAT32_ROUTE) {
+    /* Vector t of each weight row's 32 k (widen8_float32_route) against activations
+     * [8t, 8t + 8) of the step, laid out to match: t outermost, so that each activation
+     * vector is loaded once for the COLS weight rows; the unrolled loops keep the sums in
+     * registers (indexed by t in a loop GCC did not unroll, they went to the stack and the
+     * kernel lost its gain). Against sign-extending 8 codes to 32-bit lanes (vpmovsxbd)
+     * and shifting them left, which took one shuffle more per 8 codes, this measured (AMD
+     * EPYC Zen 1, where 256-bit operations take two 128-bit ones: cpu family 23 model 1,
+     * medians of 11 alternations in one process): one thread on weights in L2, M = 1 and
+     * 2 1.20x faster (256 x 1024, 512 x 576; the call's fixed ~16 us included), M = 4-16
+     * 1.05-1.08x; 2 threads from memory, 4096 x 4096 M = 1 1.29x (10.8 -> 14.0 GB/s), M = 2
+     * 1.31x, M = 4 and 16 1.07-1.09x, SmolLM2's layers M = 1 1.12-1.17x, M = 2 1.21-1.23x,
+     * M = 4 and 16 1.00-1.04x. Using vpmulhw (the multiply pipe) instead of the shift for
+     * two of the four vectors measured 1-2% slower. */
+    const uint8_t* rows[DOT_COLS];
+    uint8_t tail[DOT_COLS][40] __attribute__((aligned(32)));
+    for (int c = 0; c < COLS; ++c) {
+      rows[c] = weights[c] + k0;
+      if (TAIL) { /* k - k0 is 1..31 here; the copy starts 4 bytes in, so row - 3 is inside it */
+        memset(tail[c], 0, sizeof tail[c]);
+        memcpy(tail[c] + 4, rows[c], (size_t)(k - k0));
+        rows[c] = tail[c] + 4;
+      }
+    }
+    const int first = !TAIL && k0 == 0;
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      __m256 x[DOT_ROWS];
+      for (int r = 0; r < ROWS; ++r) x[r] = _mm256_loadu_ps(activations[r] + k0 + 8 * t);
+#pragma GCC unroll 4
+      for (int c = 0; c < COLS; ++c) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)rows[c]); /* the load of t = 3 */
+        if (t == 3) *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
+        const __m256 w = first ? widen8_float32_route(rows[c], bytes, t, 1) : widen8_float32_route(rows[c], bytes, t, 0);
+        for (int r = 0; r < ROWS; ++r) {
+          __m256* sum = acc[r][c];
+          sum[t & (PARTS - 1)] = _mm256_fmadd_ps(x[r], w, sum[t & (PARTS - 1)]);
+        }
+      }
+    }
+    return;
+  }
   for (int c = 0; c < COLS; ++c) {
     const uint8_t* row = weights[c] + k0;
     uint8_t tail[32] __attribute__((aligned(32)));
@@ -142,26 +196,6 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
       memset(tail, 0, sizeof tail);
       memcpy(tail, row, (size_t)(k - k0));
       row = tail;
-    }
-    if (FLOAT32_ROUTE) {
-      const __m256i bytes = _mm256_loadu_si256((const __m256i*)row);
-      *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
-      /* 16 codes at a time: two widened vectors live, not four. With 8 sums and the
-       * route's constants, four left the 4 x 2 block's loop 14 stack accesses per 128 k,
-       * two leave 2 (4096 x 4096 per-channel, M = 16 4.59-4.75 -> 4.35-4.46 ms, M = 256
-       * 72.1-72.2 -> 70.0-71.0 ms). Block-wise calls ran 4-7% slower this way while their
-       * blocks were inlined into one large function; as functions of their own (below,
-       * DOT_F32_FN) they gain from it too */
-      for (int half = 0; half < 2; ++half) {
-        const __m256 w0 = widen8_float32_route(row + 16 * half), w1 = widen8_float32_route(row + 16 * half + 8);
-        for (int r = 0; r < ROWS; ++r) {
-          const float* a = activations[r] + k0 + 16 * half;
-          __m256* sum = acc[r][c];
-          sum[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a), w0, sum[0]);
-          sum[PARTS - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), w1, sum[PARTS - 1]);
-        }
-      }
-      continue;
     }
     __m256 w[4];
     widen32(row, w, FORMAT);
