@@ -25,10 +25,11 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512vbmi", "avx512
 def cpu_description() -> dict:
     """The CPU as /proc/cpuinfo names it: ``model``, ``vendor``, ``flags`` (those of
     CPU_FLAGS_OF_INTEREST it has) and ``family``, a short name for the results file:
-    ``intel-amx``, ``intel-avx512``, ``intel-avx2``, ``amd-zen4``, ``amd-zen5``, ``amd-zen-avx2``
+    ``intel-amx``, ``intel-avx512``, ``intel-avx2``, ``amd-zen1``, ``amd-zen2``, ``amd-zen-avx2`` (Zen 3),
+    ``amd-zen4``, ``amd-zen5``
     or the machine type. Results of different families are kept side by side (their
     bandwidth and multiply units differ 2-3x)."""
-    model, vendor, flags, cpu_family = platform.processor() or platform.machine(), "", set(), None
+    model, vendor, flags, cpu_family, model_number = platform.processor() or platform.machine(), "", set(), None, None
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = (part.strip() for part in line.partition(":"))
@@ -40,22 +41,29 @@ def cpu_description() -> dict:
                 flags = set(value.split())
             elif key == "cpu family" and cpu_family is None and value.isdigit():
                 cpu_family = int(value)
+            elif key == "model" and model_number is None and value.isdigit():
+                model_number = int(value)
     except OSError:  # not Linux: the family falls back to the machine type
         pass
-    # The vector width decides which kernels run, so it splits a vendor's CPUs: a Zen 2/3
-    # (AVX2 only) is amd-zen-avx2. Zen 4 (family 0x19 with AVX-512) runs each 512-bit
-    # operation as two 256-bit halves and Zen 5 (family 0x1A) does not, so they are kept
-    # apart too: amd-zen4, amd-zen5 (amd-zen for a later AVX-512 family).
+    # The vector width decides which kernels run, so it splits a vendor's CPUs: a Zen 3
+    # (family 0x19, AVX2 only) is amd-zen-avx2. Family 0x17 runs each 256-bit operation as
+    # two 128-bit halves on Zen 1 (models below 0x30), which makes its AVX2 kernels about
+    # 2.5x slower per clock than a Zen 3's: amd-zen1, and amd-zen2 for the later models.
+    # Zen 4 (family 0x19 with AVX-512) runs each 512-bit operation as two 256-bit halves
+    # and Zen 5 (family 0x1A) does not, so they are kept apart too: amd-zen4, amd-zen5
+    # (amd-zen for a later AVX-512 family).
     if vendor == "GenuineIntel":
         family = "intel-amx" if "amx_tile" in flags else "intel-avx512" if "avx512f" in flags else "intel-avx2"
     elif vendor == "AuthenticAMD":
-        if "avx512f" not in flags:
+        if cpu_family == 0x17:
+            family = "amd-zen1" if (model_number or 0) < 0x30 else "amd-zen2"
+        elif "avx512f" not in flags:
             family = "amd-zen-avx2"
         else:
             family = {0x19: "amd-zen4", 0x1A: "amd-zen5"}.get(cpu_family, "amd-zen")
     else:
         family = platform.machine().lower() or "cpu"
-    return {"model": model, "vendor": vendor, "family": family,
+    return {"model": model, "vendor": vendor, "family": family, "cpuid": (cpu_family, model_number),
             "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
 
 
@@ -100,10 +108,14 @@ def cpu_results_header(args, elapsed: float, command: str | None = None) -> list
     from fp8linear.backend import cpu_kernel_variant
 
     cpu = args.cpu
+    # "cpu family" and "model" as /proc/cpuinfo gives them: a VM may show a generic model
+    # name ("AMD EPYC") whatever the host's core, so these numbers tell runs apart
+    cpu_family, model_number = cpu.get("cpuid", (None, None))
+    cpuid = f", cpu family {cpu_family} model {model_number}" if cpu_family is not None else ""
     command = command or " ".join([pathlib.Path(sys.executable).name, *sys.argv])
     return [
         f"Command: `{command}`  ",
-        f"CPU: {cpu['model']} ({cpu['vendor'] or 'unknown vendor'}; flags: "
+        f"CPU: {cpu['model']} ({cpu['vendor'] or 'unknown vendor'}{cpuid}; flags: "
         f"{' '.join(cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS_OF_INTEREST)}); results family "
         f"`{cpu['family']}`.  ",
         f"Date: {datetime.date.today()}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
