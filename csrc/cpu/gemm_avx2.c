@@ -25,8 +25,9 @@
  * it: four loads cover 32 codes, lane j of load t holding code 4j + t, and the activations
  * are laid out in that order), shifted right by 4 (arithmetic) and masked, which puts its
  * sign on float32's and its 7 magnitude bits on the low exponent and top mantissa bits:
- * the lane reads the value times 2^-120 exactly, e4m3 subnormals as float32 denormals. The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values
- * times 2^100 stay below 2^116) and each sum is multiplied by 2^20 at the end (exact;
+ * the lane reads the value times 2^-120 exactly, e4m3 subnormals as float32 denormals.
+ * The activations carry 2^100 (fp8_avx2_activation_factor: fp8 values times 2^100 stay
+ * below 2^116) and each sum is multiplied by 2^20 at the end (exact;
  * block-wise calls: each block's sum, before its scales), so every nonzero product is at
  * least 2^-45, far from float32's denormals. Denormal weights must not
  * be read as zero: the kernel clears MXCSR's DAZ bit while it runs and restores it (Zen 3
@@ -180,7 +181,8 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
       for (int c = 0; c < COLS; ++c) {
         const __m256i bytes = _mm256_loadu_si256((const __m256i*)rows[c]); /* the load of t = 3 */
         if (t == 3) *nan_max = _mm256_max_epu8(*nan_max, _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)));
-        const __m256 w = first ? widen8_float32_route(rows[c], bytes, t, 1) : widen8_float32_route(rows[c], bytes, t, 0);
+        const __m256 w = first ? widen8_float32_route(rows[c], bytes, t, 1)
+                               : widen8_float32_route(rows[c], bytes, t, 0);
         for (int r = 0; r < ROWS; ++r) {
           __m256* sum = acc[r][c];
           sum[t & (PARTS - 1)] = _mm256_fmadd_ps(x[r], w, sum[t & (PARTS - 1)]);
