@@ -110,7 +110,7 @@ def cpu_results_header(args, elapsed: float, command: str | None = None) -> list
     cpu = args.cpu
     # "cpu family" and "model" as /proc/cpuinfo gives them: a VM may show a generic model
     # name ("AMD EPYC") whatever the host's core, so these numbers tell runs apart
-    cpu_family, model_number = cpu.get("cpuid", (None, None))
+    cpu_family, model_number = cpu["cpuid"]
     cpuid = f", cpu family {cpu_family} model {model_number}" if cpu_family is not None else ""
     command = command or " ".join([pathlib.Path(sys.executable).name, *sys.argv])
     return [

@@ -133,12 +133,13 @@ void fp8_amx_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                      void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
 
 /* Activation rows [m_begin, m_end) -> float32 workspace rows of plan->k_padded (zero
- * padded) for the AVX2 kernels (gemm.c); fp8 activations times fp8_factor (a power of
- * two: exact). lanes4 (the dot kernel's float32 route, fp8_avx2_float32_route): within
- * each 32 k, position 8t + j holds k = 4j + t (t = 0..3, j = 0..7), the order in which
- * that route widens the weights (gemm_avx2.c). */
+ * padded) for the AVX2 kernels (gemm.c). For calls the dot kernel takes by its float32
+ * route (fp8_avx2_float32_route), the fp8 activations are multiplied by
+ * fp8_avx2_activation_factor (a power of two: exact) and, within each 32 k, position
+ * 8t + j holds k = 4j + t (t = 0..3, j = 0..7), the order in which that route widens the
+ * weights (gemm_avx2.c); other calls get the activations as they are, in order. */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end, float fp8_factor, int lanes4);
+                       int64_t m_begin, int64_t m_end);
 
 /* The AVX2 kernels (gemm_avx2.c, gemm_avx2_panel.c), over the same float32 workspace (K rounded up to 32;
  * the panel kernel's also holds a table of block-wise activation scales after it):
@@ -171,7 +172,7 @@ int64_t fp8_avx2_scratch_bytes(const fp8_cpu_mm_plan* plan);
 int64_t fp8_avx2_panel_workspace_bytes(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan);
 void fp8_avx2_panel_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                             int64_t m_begin, int64_t m_end);
-/* What fp8 activations are widened times for the avx2 kernels (fp8_float_prepare). */
+/* What fp8 activations are widened times for the avx2 kernels (in fp8_float_prepare). */
 float fp8_avx2_activation_factor(const fp8_scaled_mm_params* p);
 void fp8_avx2_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
                       void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);

@@ -23,11 +23,13 @@ const float* fp8_decode_table(fp8_format format) {
 
 #if FP8_X86_KERNELS
 /* Activation rows -> float32 rows of plan->k_padded, zero padded, for the AVX2 kernels
- * (gemm_avx2.c, gemm_avx2_panel.c); fp8 activations times fp8_factor (a power of two: exact);
- * with lanes4, each 32 k in the float32 route's order (cpu_internal.h). */
+ * (gemm_avx2.c, gemm_avx2_panel.c); for the float32 route, times its factor and each 32 k
+ * in its order (cpu_internal.h). */
 void fp8_float_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
-                       int64_t m_begin, int64_t m_end, float fp8_factor, int lanes4) {
+                       int64_t m_begin, int64_t m_end) {
   const float* decode = fp8_decode_table(p->a_format);
+  const float fp8_factor = fp8_avx2_activation_factor(p);
+  const int lanes4 = fp8_avx2_float32_route(p);
   for (int64_t m = m_begin; m < m_end; ++m) {
     float* row = (float*)workspace + m * plan->k_padded;
     for (int64_t k = 0; k < p->k; ++k) {
@@ -227,7 +229,7 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
   else if (plan->method == FP8_MM_AVX2_PANEL)
     fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
-    fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p), fp8_avx2_float32_route(p));
+    fp8_float_prepare(p, plan, workspace, m_begin, m_end);
 #else
   (void)p, (void)plan, (void)workspace, (void)scratch, (void)m_begin, (void)m_end; /* the scalar kernel reads a as it is */
 #endif

@@ -207,7 +207,7 @@ int64_t fp8_avx2_panel_workspace_bytes(const fp8_scaled_mm_params* p, const fp8_
 
 void fp8_avx2_panel_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                             int64_t m_begin, int64_t m_end) {
-  fp8_float_prepare(p, plan, workspace, m_begin, m_end, fp8_avx2_activation_factor(p), 0);
+  fp8_float_prepare(p, plan, workspace, m_begin, m_end); /* never the float32 route's */
   if (!fp8_k_blocked(p)) return;
   float* row_scales = (float*)workspace + p->m * plan->k_padded;
   const int64_t blocks = (p->k + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
