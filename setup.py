@@ -62,11 +62,32 @@ def cuda_wanted():
         missing.append("this torch has no CUDA")
     if cpp_extension.CUDA_HOME is None:
         missing.append("nvcc not found (set CUDA_HOME)")
+    elif torch.version.cuda:
+        # (CUTLASS's arch/mma_sm89.h makes the same cut for these instructions)
+        version = nvcc_version(cpp_extension.CUDA_HOME)
+        if version is not None and version < (12, 4):
+            missing.append(f"nvcc {version[0]}.{version[1]} (in {cpp_extension.CUDA_HOME}) is older than 12.4, the "
+                           "first CUDA to compile fp8 tensor-core instructions (mma.sync on e4m3/e5m2): install "
+                           "CUDA 12.4 or newer and set CUDA_HOME to it")
     if missing:
         if setting in ("1", "on", "true", "yes"):
             sys.exit("fp8linear: FP8LINEAR_CUDA=1 but " + "; ".join(missing))
         return False, "; ".join(missing)
     return True, "torch CUDA " + torch.version.cuda
+
+
+def nvcc_version(cuda_home):
+    """(major, minor) of CUDA_HOME's nvcc, or None where it does not say."""
+    import re
+    import subprocess
+
+    try:
+        text = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class BuildExtension(cpp_extension.BuildExtension):

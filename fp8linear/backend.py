@@ -49,7 +49,15 @@ def backend(device: torch.device | str | None = None) -> str:
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
         # the kernels' view of the device: an sm_80-only build runs as sm_80 on any GPU
-        return CUDA_FP8 if native().cuda_device_path(index) == "fp8" else CUDA_UPCONVERT
+        path = native().cuda_device_path(index)
+        if path == "none":
+            major, minor = torch.cuda.get_device_capability(index)
+            raise RuntimeError(
+                f"fp8linear's CUDA kernels have no code for cuda:{index} (compute capability {major}.{minor}): "
+                f"the build's TORCH_CUDA_ARCH_LIST had neither {major}.{minor} nor PTX of an older architecture; "
+                f'add "{major}.{minor}" to it and rebuild (pip install --no-build-isolation .)'
+            )
+        return CUDA_FP8 if path == "fp8" else CUDA_UPCONVERT
     raise ValueError(f"fp8linear supports cpu and cuda devices, got {device}")
 
 

@@ -47,3 +47,31 @@ def test_cpu_variants_can_be_forced_and_refused():
     module.set_cpu_variant("scalar")
     assert module.cpu_variant() == "scalar"
     module.set_cpu_variant(previous)
+
+
+class _FakeCudaBuild:
+    """native() of a CUDA build, with the path it reports for every device."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def cuda_built(self):
+        return True
+
+    def cuda_device_path(self, index):
+        return self.path
+
+
+@pytest.mark.parametrize("path, expected", [("fp8", "cuda-fp8"), ("upconvert", "cuda-upconvert"),
+                                            ("generic", "cuda-upconvert"), ("none", None)])
+def test_cuda_path_of_the_build(monkeypatch, path, expected):
+    # (runs without a GPU: the build's answer for the device is faked)
+    monkeypatch.setattr(backend_module, "native", lambda: _FakeCudaBuild(path))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    if expected is not None:
+        assert fp8linear.backend("cuda:0") == expected
+        return
+    # a build with no code for the GPU (a T4 under the default TORCH_CUDA_ARCH_LIST): said
+    # before any kernel fails to launch, with the fix
+    with pytest.raises(RuntimeError, match=r"no code for cuda:0 \(compute capability 7\.5\).*add \"7\.5\""):
+        fp8linear.backend("cuda:0")

@@ -167,3 +167,56 @@ def test_every_software_prefetch_survives_compilation(tmp_path):
             found.add((m.group(1), int(m.group(2))))
     missing = [f"{name}:{number}: {text}" for (name, number), text in wanted.items() if (name, number) not in found]
     assert not missing, "prefetches the compiler dropped:\n" + "\n".join(missing)
+
+
+def _fake_cuda_torch(root, nvcc_release):
+    """A `torch` package whose CUDA is 12.x and whose CUDA_HOME holds an nvcc that prints
+    `nvcc_release`: what setup.py asks of them, without a CUDA torch or toolkit."""
+    package = root / "torch"
+    (package / "utils").mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import version, utils\n")
+    (package / "version.py").write_text("cuda = '12.6'\n")
+    (package / "utils" / "__init__.py").write_text("from . import cpp_extension\n")
+    (package / "utils" / "cpp_extension.py").write_text(
+        "import setuptools\n"
+        "from setuptools.command.build_ext import build_ext\n"
+        f"CUDA_HOME = {str(root / 'cuda')!r}\n"
+        "class BuildExtension(build_ext):\n"
+        "    @classmethod\n"
+        "    def with_options(cls, **options):\n"
+        "        return cls\n"
+        "def CppExtension(name, sources, **options):\n"
+        "    return setuptools.Extension(name, sources)\n"
+        "CUDAExtension = CppExtension\n")
+    nvcc = root / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.99'\n")
+    nvcc.chmod(0o755)
+
+
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_setup_refuses_an_nvcc_older_than_12_4(tmp_path, setting):
+    # fp8 mma.sync (the GEMV and GEMM for sm_89 / sm_90) needs CUDA 12.4's ptxas: an older
+    # nvcc would fail the whole build in ptxas; auto builds the CPU kernels instead
+    _fake_cuda_torch(tmp_path, "12.2")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_PRELOAD"))}
+    env.update(PYTHONPATH=str(tmp_path), FP8LINEAR_CUDA=setting)
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    if setting == "1":
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        assert "FP8LINEAR_CUDA=1 but nvcc 12.2" in result.stderr and "older than 12.4" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "building CPU kernels only (no CUDA: nvcc 12.2" in result.stdout
+
+
+def test_setup_takes_an_nvcc_of_12_4(tmp_path):
+    _fake_cuda_torch(tmp_path, "12.4")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_PRELOAD", "CUDA_HOME"))}
+    env.update(PYTHONPATH=str(tmp_path), FP8LINEAR_CUDA="1")
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    # past the version check: it goes on to look for cuBLASLt, which the fake toolkit lacks
+    assert "older than 12.4" not in result.stderr + result.stdout
+    assert "cuBLASLt" in result.stderr or "building CPU + CUDA kernels" in result.stdout, result.stderr

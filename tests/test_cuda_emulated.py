@@ -383,9 +383,12 @@ def test_refusals_name_the_reason(emulated):
         emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "gemv", H100_SM80_BUILD)
     with pytest.raises(RuntimeError, match="no code for this device's architecture"):
         emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "gemm", ADA_NO_CODE)
-    # what auto does there: the generic kernel, which the GPU has no image of either
-    with pytest.raises(RuntimeError, match="no kernel image"):
-        emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "auto", ADA_NO_CODE)
+    # auto there, and a call with no products (which the generic kernel would answer): said
+    # before anything is launched (the GPU has no image of any of our kernels), with the fix
+    for k in (64, 0):
+        with pytest.raises(RuntimeError, match=r"no code for this device's architecture \(compute capability 8\.9.*"
+                                               r"add \"8\.9\" to TORCH_CUDA_ARCH_LIST"):
+            emulated.scaled_mm(a[:, :k], b[:k], scale_a, scale_b, None, torch.bfloat16, "auto", ADA_NO_CODE)
     with pytest.raises(RuntimeError, match="cannot run this call"):
         emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "cublaslt", H100)
     out, used = emulated.scaled_mm(a, b, scale_a, scale_b, None, torch.bfloat16, "auto", H100)  # and on after

@@ -33,6 +33,13 @@ const fp8_cuda_device_info& device_info(int device) {
   return *info;
 }
 
+// Refuses, saying how to fix it, a device the build has no code for (our kernels would
+// fail to launch with "no kernel image is available").
+void check_kernels_run_on(const at::Tensor& t) {
+  const char* refusal = fp8_cuda_no_code_refusal(&device_info(t.get_device()));
+  TORCH_CHECK(refusal == nullptr, refusal);
+}
+
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
 }
@@ -44,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(fp8_cuda_pending_error("quantize_fp8"));
+  check_kernels_run_on(x);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions float_options = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
@@ -73,6 +81,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const 
 // Dynamic scales per row of a contiguous, non-empty 2-D x rounded up to powers of two
 // (scale_fmt "ue8m0": groups of a contiguous x viewed as rows): the per-row kernel.
 std::tuple<at::Tensor, at::Tensor> quantize_rows_power_of_two_cuda(const at::Tensor& x2d, at::ScalarType dtype) {
+  check_kernels_run_on(x2d);
   const fp8_format format = fp8_format_of(dtype, "dtype");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor q = at::empty(x2d.sizes(), x2d.options().dtype(dtype));
@@ -203,8 +212,11 @@ const fp8_cuda_device_info& guarded_device_info(int64_t device) {
 }
 
 std::string cuda_device_path(int64_t device) {
-  // our kernels' view: a build without code for the device's architecture runs older code
-  const int capability = fp8_cuda_kernel_capability(&guarded_device_info(device));
+  // our kernels' view: a build without code for the device's architecture runs older code,
+  // or none at all
+  const fp8_cuda_device_info& info = guarded_device_info(device);
+  if (info.kernel_arch == 0) return "none";
+  const int capability = fp8_cuda_kernel_capability(&info);
   return capability >= 89 ? "fp8" : capability >= 80 ? "upconvert" : "generic";
 }
 
@@ -224,7 +236,8 @@ void register_cuda_python(pybind11::module& module) {
              "The architecture this build's kernels run as on the device (their PTX target x 10 / 100: 80, 89, 90; "
              "0 if the build has no code for it): below the compute capability when TORCH_CUDA_ARCH_LIST lacked it.");
   module.def("cuda_device_path", &cuda_device_path, pybind11::arg("device"),
-             "What the device runs by default: 'fp8' (tensor cores, cc >= 8.9), 'upconvert' (cc >= 8.0) or 'generic'.");
+             "What the device runs by default: 'fp8' (tensor cores, cc >= 8.9), 'upconvert' (cc >= 8.0), 'generic', "
+             "or 'none' (the build has no code for the device: TORCH_CUDA_ARCH_LIST).");
 }
 
 TORCH_LIBRARY_IMPL(fp8linear, CUDA, m) {

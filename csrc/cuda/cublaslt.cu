@@ -80,9 +80,11 @@ std::mutex cache_mutex;
 cublasLtHandle_t handles[kMaxDevices];
 std::map<ProblemKey, CachedAlgorithm> algorithms;
 // Set once cuBLASLt says outer-vector (block) scales are not supported on a device
-// (NOT_SUPPORTED), so later calls skip the try. An INVALID_VALUE is taken as this
+// (NOT_SUPPORTED), so later calls skip the try; outer-vector scales apart with and
+// without a bias epilogue ([device][bias]: whether the two combine is not documented, so
+// a refusal of one is not taken for the other). An INVALID_VALUE is taken as this
 // problem's alone: its cached algorithm is dropped and other shapes keep trying.
-bool outer_vector_refused[kMaxDevices];
+bool outer_vector_refused[kMaxDevices][2];
 bool block_scales_refused[kMaxDevices];
 
 // The largest power of two (up to 256) that divides the address: cuBLASLt assumes
@@ -264,9 +266,10 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
   cublasLtHandle_t handle;
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
-    if (outer_vector && outer_vector_refused[device]) {
+    if (outer_vector && outer_vector_refused[device][p->bias != nullptr]) {
       *unsupported = 1;
-      return "cuBLASLt refused outer-vector (per-row/column) scales on this device";
+      return p->bias != nullptr ? "cuBLASLt refused outer-vector (per-row/column) scales with a bias on this device"
+                                : "cuBLASLt refused outer-vector (per-row/column) scales on this device";
     }
     if (blocks && block_scales_refused[device]) {
       *unsupported = 1;
@@ -404,6 +407,13 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     int results = 0;
     status = cublasLtMatmulAlgoGetHeuristic(handle, descriptors.matmul, descriptors.a, descriptors.b, descriptors.d,
                                             descriptors.d, descriptors.preference, 1, &result, &results);
+    if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED &&
+        status != CUBLAS_STATUS_INVALID_VALUE) {
+      // (ALLOC_FAILED, INTERNAL_ERROR, ...: may pass; this call falls back, the next asks again)
+      *unsupported = 1;
+      return status_message("cublasLtMatmulAlgoGetHeuristic", status);
+    }
+    // an answer about this problem, kept: SUCCESS with or without an algorithm, or a refusal
     cached.found = status == CUBLAS_STATUS_SUCCESS && results > 0 && result.state == CUBLAS_STATUS_SUCCESS;
     cached.algorithm = result.algo;
     std::lock_guard<std::mutex> lock(cache_mutex);
@@ -427,7 +437,7 @@ const char* fp8_cuda_cublaslt_launch(const fp8_scaled_mm_params* p, int device, 
     // algorithm is forgotten (this shape falls back from now on; others still try).
     std::lock_guard<std::mutex> lock(cache_mutex);
     if (status == CUBLAS_STATUS_NOT_SUPPORTED && mode != kScalar) {
-      (outer_vector ? outer_vector_refused : block_scales_refused)[device] = true;
+      (outer_vector ? outer_vector_refused[device][p->bias != nullptr] : block_scales_refused[device]) = true;
     }
     algorithms[key] = CachedAlgorithm{false, cached.algorithm};
     *unsupported = 1;

@@ -33,6 +33,12 @@ const fp8_cuda_device_info* fp8_cuda_device(int device, const char** error);
 // the build's code for it targets an older one (kernel_arch).
 int fp8_cuda_kernel_capability(const fp8_cuda_device_info* info);
 
+// NULL, or (kernel_arch 0: e.g. a T4, compute capability 7.5, under the default
+// TORCH_CUDA_ARCH_LIST) the message that none of our kernels can run there and how to
+// build ones that can. The ops check it before launching anything of ours, where the
+// launch would only say "no kernel image is available".
+const char* fp8_cuda_no_code_refusal(const fp8_cuda_device_info* info);
+
 // NULL, or a message for a CUDA error already pending on this thread before an op
 // launched anything (an earlier operation's, or a sticky fault of an earlier kernel),
 // which it clears where CUDA allows. The ops call it first, so that check_launch's

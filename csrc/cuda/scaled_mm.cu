@@ -116,6 +116,15 @@ int fp8_cuda_kernel_capability(const fp8_cuda_device_info* info) {
   return std::min(capability(info->major, info->minor), info->kernel_arch);
 }
 
+const char* fp8_cuda_no_code_refusal(const fp8_cuda_device_info* info) {
+  if (info->kernel_arch != 0) return nullptr;
+  return fp8cuda::error_text(
+      "fp8linear CUDA: this build has no code for this device's architecture (compute capability %d.%d; its "
+      "TORCH_CUDA_ARCH_LIST had neither %d.%d nor PTX of an older one): add \"%d.%d\" to TORCH_CUDA_ARCH_LIST and "
+      "rebuild (pip install --no-build-isolation .)",
+      info->major, info->minor, info->major, info->minor, info->major, info->minor);
+}
+
 const char* fp8_cuda_path_name(fp8_cuda_path path) {
   switch (path) {
     case FP8_CUDA_PATH_AUTO: return "auto";
@@ -172,6 +181,10 @@ const char* fp8_cuda_scaled_mm_launch(const fp8_scaled_mm_params* p, fp8_cuda_pa
       return fp8cuda::error_text("fp8linear CUDA: forced path '%s' cannot run this call on compute capability %d.%d: %s",
                                  fp8_cuda_path_name(path), info->major, info->minor, reason.c_str());
     }
+  }
+  // Every path but cuBLASLt launches our kernels (k = 0 too: the generic one writes the bias)
+  if (path != FP8_CUDA_PATH_CUBLASLT) {
+    if (const char* refusal = fp8_cuda_no_code_refusal(info)) return refusal;
   }
   // (after the forced path's check: the whole call is refused or run, never a part of it)
   if (p->m > kMaxLaunchRows) {
