@@ -2,6 +2,8 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -37,8 +39,17 @@ def test_bench_rows_smoke(tmp_path):
 def test_bench_e2e_smoke(tmp_path):
     load_script("bench_e2e").main(["--smoke", "--output-dir", str(tmp_path)])
     table = (tmp_path / "e2e-smoke.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith(("| per-tensor |", "| per-channel |"))]
+    rows = [line for line in table.splitlines() if line.startswith(("| per-tensor |", "| per-channel |"))
+            and line.count("|") == 8]
     assert len(rows) == 2 and "fp8linear CPU kernels" in table
     for row in rows:  # every figure a positive number
         cells = [cell.strip().rstrip("x") for cell in row.strip("|").split("|")[1:]]
         assert all(float(cell) > 0 for cell in cells)
+    # the decode breakdown: a row per model whose parts add up to its token time
+    parts = {line.split("|")[1].strip(): [float(cell) for cell in line.strip("|").split("|")[1:]]
+             for line in table.splitlines() if line.startswith(("| bf16 |", "| per-tensor |", "| per-channel |"))
+             and line.count("|") == 6}
+    assert set(parts) == {"bf16", "per-tensor", "per-channel"}
+    for token, linear, lm_head, rest in parts.values():
+        assert token > 0 and linear > 0 and lm_head > 0 and token > linear + lm_head
+        assert rest == pytest.approx(token - linear - lm_head, abs=0.02)

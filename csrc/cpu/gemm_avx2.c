@@ -161,7 +161,8 @@ AVX2_TARGET ALWAYS_INLINE void dot_step(const uint8_t* const* weights, int64_t w
      * 1.05-1.08x; 2 threads from memory, 4096 x 4096 M = 1 1.29x (10.8 -> 14.0 GB/s), M = 2
      * 1.31x, M = 4 and 16 1.07-1.09x, SmolLM2's layers M = 1 1.12-1.17x, M = 2 1.21-1.23x,
      * M = 4 and 16 1.00-1.04x. Using vpmulhw (the multiply pipe) instead of the shift for
-     * two of the four vectors measured 1-2% slower. */
+     * two of the four vectors measured 1-2% slower. benchmarks/avx2_widen_peak.c times this
+     * loop alone against that and the other widenings tried, all slower on the Zen 1. */
     const uint8_t* rows[DOT_COLS];
     uint8_t tail[DOT_COLS][40] __attribute__((aligned(32)));
     for (int c = 0; c < COLS; ++c) {
