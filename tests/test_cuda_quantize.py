@@ -73,6 +73,18 @@ def test_quantize_edge_values(x_dtype, dtype):
         assert torch.isnan(q[14].float()) and torch.isnan(q[15].float())
 
 
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_quantize_sweeps_float32_bit_patterns(dtype):
+    # sm_89+ quantizes with the hardware's cvt.rn.satfinite, which the CPU emulator never
+    # runs: a stride over all 2^32 float32 bit patterns (every sign, exponent, subnormal,
+    # inf and NaN; about a million values) against the reference, bit for bit
+    bits = torch.arange(0, 2**32, 4093, dtype=torch.int64)
+    x = (bits - (bits >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.tensor([float("inf"), float("-inf")])])  # (the stride misses them)
+    for scale in (1.0, 0.37, 2.0**-20):
+        _assert_quantize_matches(x.cuda(), torch.tensor(scale, device="cuda"), dtype=dtype)
+
+
 def test_quantize_rounds_once_to_nearest_even():
     # Every e4m3 midpoint (ties go to the even code) and one float32 ulp either side.
     codes = torch.arange(0, 0x7E, dtype=torch.uint8).view(E4M3).float()
