@@ -55,9 +55,11 @@ __device__ __forceinline__ void clear(Slice<Kind>& slice) {
 // zero: the other operand's padding is zero too, but a garbage NaN code times zero
 // would still be NaN. The word the last row of a tensor ends in is read whole: up to 3
 // bytes past the tensor, which for a tensor of an odd byte count lie past its requested
-// size. The hardware cannot fault on them (an aligned word lies in one page with the
-// row's last byte, and no other allocation starts inside it), but compute-sanitizer's memcheck
-// with PYTORCH_NO_CUDA_MEMORY_CACHING=1 may report them. Gathering that word byte by
+// size; likewise the word a misaligned first row starts in, up to 3 bytes before it (a
+// tensor that starts misaligned is a view into a larger allocation, whose bytes those
+// are). The hardware cannot fault on them (an aligned word lies in one page with the
+// row's first or last byte, and no other allocation starts inside it), but
+// compute-sanitizer's memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1 may report them. Gathering that word byte by
 // byte (checked on the host against every misalignment) made ptxas spill 20-148 bytes
 // in the 8-token GEMV kernels (tests/test_cuda_compile.py), so it is left as it is.
 template <bool kStream>
