@@ -59,9 +59,10 @@ __device__ __forceinline__ void clear(Slice<Kind>& slice) {
 // tensor that starts misaligned is a view into a larger allocation, whose bytes those
 // are). The hardware cannot fault on them (an aligned word lies in one page with the
 // row's first or last byte, and no other allocation starts inside it), but
-// compute-sanitizer's memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1 may report them. Gathering that word byte by
-// byte (checked on the host against every misalignment) made ptxas spill 20-148 bytes
-// in the 8-token GEMV kernels (tests/test_cuda_compile.py), so it is left as it is.
+// compute-sanitizer's memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1 may report them.
+// Gathering that word byte by byte (checked on the host against every misalignment)
+// made ptxas spill 20-148 bytes in the 8-token GEMV kernels
+// (tests/test_cuda_compile.py), so it is left as it is.
 template <bool kStream>
 __device__ __forceinline__ uint4 load_row_bytes(const uint8_t* row, int64_t offset, int64_t row_bytes, bool aligned) {
   const int64_t valid = row_bytes - offset;
