@@ -167,8 +167,8 @@ def write_results(args, results, elapsed) -> pathlib.Path:
     if results["breakdown"]:
         lines += [
             "",
-            f"Where a decoded token's time goes: {args.breakdown_rounds} more decode rounds of {args.new_tokens} tokens, "
-            "the models in turns, each linear layer's forward wrapped in a timer (about 1 us a call, counted in its "
+            f"Where a decoded token's time goes: {args.breakdown_rounds} more decode rounds of {args.new_tokens} "
+            "tokens, the models in turns, each linear layer's forward wrapped in a timer (about 1 us a call, counted in its "
             "layer); ms per token, medians. `linear layers` are the decoder's (the ones FP8Linear replaces), "
             "`lm_head` the output layer (bf16 in every model), `rest` everything else (attention, norms, "
             "embeddings, `generate`'s own work).",
