@@ -102,6 +102,16 @@ def test_kernels_do_not_include_torch():
         assert "#include <torch" not in text and "#include <ATen" not in text, path
 
 
+def _run_setup(fake_packages, unset=(), **env):
+    """`python setup.py --name` with the packages in `fake_packages` first on the path (a
+    stand-in torch), without the environment's Python settings and preloads (and `unset`)."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PYTHON", "LD_PRELOAD", *unset))} | env
+    env["PYTHONPATH"] = str(fake_packages)
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_setup_without_torch_says_how_to_install_it(tmp_path):
     # a `torch` that fails to import, first on the path: what setup.py sees where torch is not
     # installed, e.g. in pip's isolated build environment (pip install . without
@@ -109,10 +119,7 @@ def test_setup_without_torch_says_how_to_install_it(tmp_path):
     (tmp_path / "torch").mkdir()
     fake = "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')"
     (tmp_path / "torch" / "__init__.py").write_text(fake)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_PRELOAD"))}
-    env["PYTHONPATH"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = _run_setup(tmp_path)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
     assert "needs PyTorch installed first" in result.stderr
@@ -199,10 +206,7 @@ def test_setup_refuses_an_nvcc_older_than_12_4(tmp_path, setting):
     # fp8 mma.sync (the GEMV and GEMM for sm_89 / sm_90) needs CUDA 12.4's ptxas: an older
     # nvcc would fail the whole build in ptxas; auto builds the CPU kernels instead
     _fake_cuda_torch(tmp_path, "12.2")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_PRELOAD"))}
-    env.update(PYTHONPATH=str(tmp_path), FP8LINEAR_CUDA=setting)
-    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = _run_setup(tmp_path, FP8LINEAR_CUDA=setting)
     if setting == "1":
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         assert "FP8LINEAR_CUDA=1 but nvcc 12.2" in result.stderr and "older than 12.4" in result.stderr
@@ -213,10 +217,7 @@ def test_setup_refuses_an_nvcc_older_than_12_4(tmp_path, setting):
 
 def test_setup_takes_an_nvcc_of_12_4(tmp_path):
     _fake_cuda_torch(tmp_path, "12.4")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_PRELOAD", "CUDA_HOME"))}
-    env.update(PYTHONPATH=str(tmp_path), FP8LINEAR_CUDA="1")
-    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = _run_setup(tmp_path, unset=("CUDA_HOME",), FP8LINEAR_CUDA="1")
     # past the version check: it goes on to look for cuBLASLt, which the fake toolkit lacks
     assert "older than 12.4" not in result.stderr + result.stdout
     assert "cuBLASLt" in result.stderr or "building CPU + CUDA kernels" in result.stdout, result.stderr
