@@ -193,7 +193,7 @@ def test_group_activations_times_block_weights(m, k, n, out_dtype, cpu_variant):
     assert relative_error(out, mirrored.double()) <= TOLERANCE[out_dtype]
 
 
-@pytest.mark.parametrize("m", [3, 6, 20, 100])
+@pytest.mark.parametrize("m", [3, 6, 20, 47, 100])  # 47: the skinny kernel's three groups per step
 def test_block_sums_are_not_one_sum_times_one_scale(m, cpu_variant):
     # block scales that differ by 2^20 between the two k blocks: a kernel that summed all
     # of K and applied one scale would be off by orders of magnitude
@@ -284,8 +284,8 @@ def folding_plan(variant, m):
 # AMX: the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel;
 # AVX512-BF16: the eight-row kernel (M = 5-8), the skinny kernel (M <= 64) and the tile
 # kernel; partial blocks of k and of weight rows
-@pytest.mark.parametrize("m, k, n", [(5, 300, 200), (8, 700, 40), (40, 1000, 150), (64, 2200, 40), (65, 300, 200), (100, 129, 128),
-                                     (300, 2000, 130), (100, 2200, 70), (600, 700, 300)])
+@pytest.mark.parametrize("m, k, n", [(5, 300, 200), (8, 700, 40), (40, 1000, 150), (45, 700, 150), (64, 2200, 40),
+                                     (65, 300, 200), (100, 129, 128), (300, 2000, 130), (100, 2200, 70), (600, 700, 300)])
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_power_of_two_block_scales_fold(m, k, n, out_dtype, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, k, n)
@@ -299,7 +299,8 @@ def test_power_of_two_block_scales_fold(m, k, n, out_dtype, cpu_variant):
 
 @pytest.mark.parametrize("a_dtype, b_dtype", list(itertools.product(FP8_DTYPES, FP8_DTYPES)))
 @pytest.mark.parametrize("significand", [1.0, 1.37])
-@pytest.mark.parametrize("m", [40, 100])  # shifted tables per step (AMX stream, skinny), per panel (full-K, tile)
+# shifted tables per step (AMX stream; skinny: 2 groups in turn, 4 per step), per panel (full-K, tile)
+@pytest.mark.parametrize("m", [40, 60, 100])
 def test_folded_scales_in_both_formats_with_a_common_significand(a_dtype, b_dtype, significand, m, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, 300, 140, a_dtype, b_dtype, significand)
     assert plan(a, w.t(), scale_a, scale_w.t())[1] == (cpu_variant in FOLDING)

@@ -108,9 +108,10 @@ def test_scaled_mm_stays_inside_its_operands(m, k, n, side, guarded, cpu_variant
 
 
 # block-wise scales (per token and 128 k, per 128 x 128 weight block): the dot, eight-row,
-# skinny (one group, several, a last group of one row) and tile kernels, K tails inside and across
+# skinny (one group, two in turn, three and four per step, a last group of one row) and tile kernels, K tails inside and across
 # 128-k blocks and 256-k panels; float scales (summed per block) and powers of two (folded)
-BLOCK_SHAPES = [(3, 129, 17), (5, 300, 140), (8, 257, 31), (16, 129, 17), (33, 300, 140), (64, 200, 63), (70, 300, 140), (100, 700, 130)]
+BLOCK_SHAPES = [(3, 129, 17), (5, 300, 140), (8, 257, 31), (16, 129, 17), (33, 300, 140), (47, 300, 140), (64, 200, 63),
+                (70, 300, 140), (100, 700, 130)]
 
 
 @pytest.mark.parametrize("m, k, n", BLOCK_SHAPES)

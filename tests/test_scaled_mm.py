@@ -33,13 +33,14 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [10, 16, 41, 64])
-@pytest.mark.parametrize("k", [1, 63, 64, 65, 1025])
+@pytest.mark.parametrize("m", [10, 16, 41, 48, 64])
+@pytest.mark.parametrize("k", [1, 63, 64, 65, 129, 256, 1025])
 @pytest.mark.parametrize("n", [1, 15, 17, 33])
 def test_skinny_kernel_tails(m, k, n, cpu_variant):
-    # 10..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16, K in steps of 64,
-    # each group of 16 rows in turn (10, 41: a last group of 10 and 9 rows; 9 and 16q + 1..8
-    # rows run their last rows apart, test_tail_rows_run_apart)
+    # 10..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16; 1-2 groups of
+    # 16 rows each in turn over K in steps of 64, 3-4 groups (41, 48, 64) all per step of 128 k
+    # (K = 129, 1025: a last step of 64 k); 10, 41: a last group of 10 and 9 rows (9 and
+    # 16q + 1..8 rows run their last rows apart, test_tail_rows_run_apart)
     _check(*_operands(m, k, n))
 
 
