@@ -142,8 +142,9 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
  * quantized inputs, 2 threads, AMD EPYC Zen 5, medians of 7 rounds alternated in one
  * process, skinny_columns -> skinny_groups, bit-identical results: M = 64 1.05-1.08x
  * faster on the Llama-3-8B and SmolLM2 shapes (0.55-0.65 -> 0.59-0.70 TFLOP/s), block-
- * wise 1.08-1.11x, M = 48 1.01-1.05x. At M = 32 the two were even (0.97-1.02x), at M = 16
- * skinny_groups was 0.88x (11 rounds), so 1-2 groups keep skinny_columns. */
+ * wise 1.08-1.11x, M = 48 1.01-1.05x; FP8Linear (bf16 input, its quantization included),
+ * 7 rounds: M = 64 1.03-1.06x, M = 48 1.02x. At M = 32 the two were even (0.97-1.02x), at
+ * M = 16 skinny_groups was 0.88x (11 rounds), so 1-2 groups keep skinny_columns. */
 enum { GROUPS_STEP = 128, GROUPS_MIN = 3 };
 
 /* 16 weight rows from n0 (`cols` of them real) against G groups of 16 activation rows
@@ -179,8 +180,15 @@ BF16_TARGET ALWAYS_INLINE void skinny_groups(const fp8_scaled_mm_params* p, cons
     const uint32_t* panel = (const uint32_t*)panels[step];
     uint16_t* next = panels[step ^ 1];
     const int64_t next_k = k0 + GROUPS_STEP;
+    /* The step's tables are made from `t` read through a pointer the compiler cannot see
+     * through (5 loads per step): with `t` held in registers beside them, GCC was one
+     * register short, and the accumulator it kept on the stack chained every second dot
+     * product through a store and a load (FP8Linear 4096 x 4096, M = 64, one thread:
+     * 10.3 ms per call, skinny_columns ~6). */
+    const widen_tables_t* base = t;
+    __asm__ volatile("" : "+r"(base));
     const widen_tables_t tables =
-        shifts && next_k < kp ? shifted_tables(t, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *t;
+        shifts && next_k < kp ? shifted_tables(base, p->b_format, shifts[next_k / FP8_SCALE_BLOCK]) : *base;
     const int iterations = (int)(kp - k0 < GROUPS_STEP ? (kp - k0) / 4 : GROUPS_STEP / 4);
     for (int g = 0; g < G; ++g) {
       float* group_sums = sums + g * TILE_LANES;
