@@ -17,8 +17,9 @@
  *   1/192 of the work or less); activations are packed so that one
  *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
  * - skinny kernel (9 <= M <= 64; in gemm_avx512_bf16_skinny.c): the tile kernel's data
- *   layout for one group of 16 rows at a time, with the widening of the next small
- *   panel interleaved with the dot products of the current one;
+ *   layout for one group of 16 rows at a time (3-4 groups: all of them per step of K,
+ *   against one widening), with the widening of the next small panel interleaved with
+ *   the dot products of the current one;
  * - eight-row kernel (5 <= M <= 8; gemm_avx512_bf16_skinny.c too): the skinny kernel's
  *   loop over 8 rows packed two k-pairs to a lane pair, so that (at M = 8) no lane works
  *   on a padding row.
