@@ -32,6 +32,48 @@ BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const u
   widen64_store(t, row, k_left, dest); /* the step after the last one reads nothing */
 }
 
+/* The 16 weight rows from n0 a skinny kernel reads, and what it prefetches and folds. */
+typedef struct {
+  const uint8_t* rows[SKINNY_COLS]; /* past the last column: column n0 again, its sums unused */
+  /* The next 16 weight rows follow these in memory (16 x K bytes): one line of them is
+   * fetched into L2 per row widened, so that the next block starts without waiting on
+   * memory. With K = 576 a block is only 9 steps, and the first few of them stalled on
+   * the lines that the prefetch within rows had not reached (1536 x 576, M = 16:
+   * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
+  const uint8_t* next_block;
+  /* folded block scales (p->fold_b): the 16 rows and each step's k lie in one block of
+   * 128 x 128, so each step widens through one set of shifted tables */
+  const int8_t* shifts;
+} skinny_weights_t;
+
+ALWAYS_INLINE skinny_weights_t skinny_weights(const fp8_scaled_mm_params* p, int64_t n0, int64_t cols) {
+  skinny_weights_t w;
+  for (int c = 0; c < SKINNY_COLS; ++c) w.rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
+  w.next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
+  w.shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
+  return w;
+}
+
+/* A K-blocked call's 16 x 16 sums of block kb (`block_sums`, [column][16 rows]) scaled
+ * into the totals at `sums` (column j at sums + j * stride): set for kb = 0, added after.
+ * The block's sums go through memory before they are scaled: computed beside the live
+ * accumulators, the scales took registers enough that the compiler kept the accumulators
+ * in memory inside the step loop. */
+BF16_TARGET ALWAYS_INLINE void skinny_add_block(const fp8_scaled_mm_params* p, const float* block_sums,
+                                                __m512 scale_a, int64_t n0, int64_t kb, float* sums,
+                                                int64_t stride) {
+  /* block scale_b: the 16 columns lie in one block of 128 rows (n0 is a multiple of 16;
+   * columns past N are padding), so one scale serves them all */
+  const __m512 block_scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
+  for (int j = 0; j < SKINNY_COLS; ++j) {
+    const __m512 scale =
+        p->scale_b_blocked ? block_scale : _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
+    const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
+    float* at = sums + j * stride;
+    _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
+  }
+}
+
 /* 16 weight rows from n0 (`cols` of them real) against one group of activation rows
  * over all of K, their sums into `sums` ([column][16 lanes]). The group is 16 rows
  * packed by pack_activation_group (a vector per k-pair, one row per lane, the weight's
@@ -52,19 +94,11 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
                                               float* sums, const __m512* scale_a_blocks, const int BLOCKED,
                                               const int EIGHT_ROWS) {
   const int64_t k = p->k;
-  const uint8_t* rows[SKINNY_COLS];
-  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
-    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
-  /* The next 16 weight rows follow these in memory (16 x K bytes): one line of them is
-   * fetched into L2 per row widened, so that the next block starts without waiting on
-   * memory. With K = 576 a block is only 9 steps, and the first few of them stalled on
-   * the lines that the prefetch within rows had not reached (1536 x 576, M = 16:
-   * 0.113 -> 0.040 ms per call; 4096 x 4096: 0.76 -> 0.65 ms). */
-  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
+  const skinny_weights_t weights = skinny_weights(p, n0, cols);
+  const uint8_t* const* rows = weights.rows;
+  const uint8_t* next_block = weights.next_block;
+  const int8_t* shifts = weights.shifts;
   int64_t next_line = 0;
-  /* folded block scales (p->fold_b): the 16 rows and each step's 64 k lie in one block of
-   * 128 x 128, so each step widens through one set of shifted tables */
-  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
   const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
   for (int c = 0; c < SKINNY_COLS; ++c)
     skinny_widen_row(&first, rows[c], k, panels[0] + c * SKINNY_STEP, next_block + 64 * next_line++);
@@ -103,23 +137,10 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
       for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(sums + j * TILE_LANES, acc[j]);
       continue;
     }
-    /* the block's sums go through memory before they are scaled: computed beside the live
-     * accumulators, the scales took registers enough that the compiler kept the
-     * accumulators in memory inside the step loop */
     float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
     for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
     const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    const __m512 scale_a = _mm512_loadu_ps((const float*)(scale_a_blocks + kb));
-    /* block scale_b: the 16 columns lie in one block of 128 rows (n0 is a multiple of 16;
-     * columns past N are padding), so one scale serves them all */
-    const __m512 block_scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
-    for (int j = 0; j < SKINNY_COLS; ++j) {
-      const __m512 scale =
-          p->scale_b_blocked ? block_scale : _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
-      const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
-      float* at = sums + j * TILE_LANES;
-      _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
-    }
+    skinny_add_block(p, block_sums, _mm512_loadu_ps((const float*)(scale_a_blocks + kb)), n0, kb, sums, TILE_LANES);
   }
   if (!EIGHT_ROWS) return;
   /* row r's two lanes added into lane r (lanes 8-15: never stored) */
@@ -161,13 +182,11 @@ BF16_TARGET ALWAYS_INLINE void skinny_groups(const fp8_scaled_mm_params* p, cons
                                              const int G, const int BLOCKED) {
   const int64_t k = p->k;
   const int64_t rows_total = G * TILE_LANES;
-  const uint8_t* rows[SKINNY_COLS];
-  for (int c = 0; c < SKINNY_COLS; ++c) /* past the last column: column n0 again, its sums unused */
-    rows[c] = p->b + (n0 + (c < cols ? c : 0)) * p->b_col_stride;
-  /* the next 16 weight rows, a line per widen64 call into L2 (as skinny_columns) */
-  const uint8_t* next_block = p->b + (n0 + SKINNY_COLS) * p->b_col_stride;
+  const skinny_weights_t weights = skinny_weights(p, n0, cols);
+  const uint8_t* const* rows = weights.rows;
+  const uint8_t* next_block = weights.next_block;
+  const int8_t* shifts = weights.shifts;
   int64_t next_line = 0;
-  const int8_t* shifts = p->fold_b ? p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks : NULL;
   const widen_tables_t first = shifts ? shifted_tables(t, p->b_format, shifts[0]) : *t;
   for (int c = 0; c < SKINNY_COLS; ++c)
     for (int h = 0; h < 2; ++h)
@@ -221,19 +240,11 @@ BF16_TARGET ALWAYS_INLINE void skinny_groups(const fp8_scaled_mm_params* p, cons
         for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(group_sums + j * rows_total, acc[j]);
         continue;
       }
-      /* the block's sums through memory before they are scaled, as in skinny_columns */
       float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
       for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
       const int64_t kb = k0 / FP8_SCALE_BLOCK;
-      const __m512 scale_a = _mm512_loadu_ps((const float*)(scale_a_blocks + g * k_blocks + kb));
-      const __m512 block_scale = _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0, kb)));
-      for (int j = 0; j < SKINNY_COLS; ++j) {
-        const __m512 scale =
-            p->scale_b_blocked ? block_scale : _mm512_mul_ps(scale_a, _mm512_set1_ps(fp8_block_scale_b(p, n0 + j, kb)));
-        const __m512 block = _mm512_load_ps(block_sums + j * TILE_LANES);
-        float* at = group_sums + j * rows_total;
-        _mm512_store_ps(at, kb == 0 ? _mm512_mul_ps(block, scale) : _mm512_fmadd_ps(block, scale, _mm512_load_ps(at)));
-      }
+      skinny_add_block(p, block_sums, _mm512_loadu_ps((const float*)(scale_a_blocks + g * k_blocks + kb)), n0, kb,
+                       group_sums, rows_total);
     }
   }
 }
