@@ -33,14 +33,14 @@ def test_odd_shapes(m, k, n, cpu_variant):
     _check(*_operands(m, k, n))
 
 
-@pytest.mark.parametrize("m", [10, 16, 41, 48, 64])
+@pytest.mark.parametrize("m", [10, 16, 41, 48, 60, 64])
 @pytest.mark.parametrize("k", [1, 63, 64, 65, 129, 256, 1025])
 @pytest.mark.parametrize("n", [1, 15, 17, 33])
 def test_skinny_kernel_tails(m, k, n, cpu_variant):
     # 10..64 rows take the skinny kernel (with AVX512-BF16): N in blocks of 16; 1-2 groups of
-    # 16 rows each in turn over K in steps of 64, 3-4 groups (41, 48, 64) all per step of 128 k
-    # (K = 129, 1025: a last step of 64 k); 10, 41: a last group of 10 and 9 rows (9 and
-    # 16q + 1..8 rows run their last rows apart, test_tail_rows_run_apart)
+    # 16 rows each in turn over K in steps of 64, 3-4 groups (41, 48, 60, 64) all per step of
+    # 128 k (K <= 64, 129, 1025: a last step of 64 k); 10, 41, 60: a last group of 10, 9 and
+    # 12 rows (9 and 16q + 1..8 rows run their last rows apart, test_tail_rows_run_apart)
     _check(*_operands(m, k, n))
 
 
@@ -88,7 +88,8 @@ def _tail_operands(m, k, n, scheme, strided):
     return pick(a), w.t(), pick(scale_a) if per_row else scale_a, scale_w.t() if per_row else scale_w
 
 
-@pytest.mark.parametrize("m", [9, 17, 24, 65, 72, 129, 264, 25])  # 16q + r, 8 + 1; 25: r = 9 stays in the padded group
+# 16q + r, 8 + 1 (56: 48 + 8, three groups per step and the eight-row kernel); 25: r = 9 stays in the padded group
+@pytest.mark.parametrize("m", [9, 17, 24, 56, 65, 72, 129, 264, 25])
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
 @pytest.mark.parametrize("strided", [False, True])
 def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
@@ -119,6 +120,24 @@ def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
     for out_dtype in (torch.bfloat16, torch.float16):
         assert torch.equal(fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype),
                            out.to(out_dtype))
+
+
+@pytest.mark.parametrize("m", [48, 60, 64])
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_skinny_groups_sum_as_each_group_alone(m, scheme, strided, cpu_variant):
+    # On AVX512-BF16, 3-4 groups of 16 rows share each step of K (skinny_groups) where a call
+    # of one group runs over all of K on its own (skinny_columns): the same sums in the same
+    # order, so each group's rows come out bit for bit as when called alone
+    if cpu_variant != "avx512_bf16":
+        pytest.skip("the skinny kernels are the avx512_bf16 variant's (others may sum a row group apart otherwise)")
+    a, b, scale_a, scale_b = _tail_operands(m, 300, 70, scheme, strided)
+    out = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    rows = lambda s, begin, end: s[begin:end] if s.dim() > 0 and s.shape[0] == m else s
+    for begin in range(0, m, 16):
+        end = min(begin + 16, m)
+        part = fp8linear.scaled_mm(a[begin:end], b, rows(scale_a, begin, end), scale_b, out_dtype=torch.float32)
+        assert torch.equal(out[begin:end], part), (begin, end)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks

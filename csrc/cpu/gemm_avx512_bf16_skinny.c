@@ -17,12 +17,13 @@
  * sums stay in registers for all of K (K-blocked calls: for each block of 128 k). The
  * tile kernel, which widens 64 x 256 panels between its register tiles, spent ~30% of
  * its time widening at M = 16.
- * Up to 4 groups of 16 rows take it in turn, each widening the 16 weight rows again:
- * scaled_mm, 14336 x 4096, 2 threads, AMD EPYC Zen 4, three alternated rounds, tile
- * kernel vs this: M = 48 0.32-0.33 vs 0.38-0.41 TFLOP/s, M = 64 0.35-0.36 vs 0.39-0.42
- * (the tile kernel's 2 x 8 register tiles at M = 64 and this one's 1 x 16 both run
- * at the dot products' rate from L1 there; the tile kernel loses on its panel and
- * sums traffic). */
+ * 1-2 groups of 16 rows take it in turn, each widening the 16 weight rows again (3-4
+ * groups: skinny_groups below, one widening for all, in steps of 128). Before
+ * skinny_groups, up to 4 groups took this loop in turn: scaled_mm, 14336 x 4096, 2
+ * threads, AMD EPYC Zen 4, three alternated rounds, tile kernel vs this: M = 48
+ * 0.32-0.33 vs 0.38-0.41 TFLOP/s, M = 64 0.35-0.36 vs 0.39-0.42 (the tile kernel's 2 x 8
+ * register tiles at M = 64 and this one's 1 x 16 both run at the dot products' rate
+ * from L1 there; the tile kernel loses on its panel and sums traffic). */
 enum { SKINNY_COLS = 16, SKINNY_STEP = 64, SKINNY_PREFETCH = 256 };
 
 BF16_TARGET ALWAYS_INLINE void skinny_widen_row(const widen_tables_t* t, const uint8_t* row, int64_t k_left,
@@ -167,14 +168,22 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
  * 7 rounds: M = 64 1.03-1.06x, M = 48 1.02x. At M = 32 the two were even (0.97-1.02x), at
  * M = 16 skinny_groups was 0.88x (11 rounds), so 1-2 groups keep skinny_columns. */
 enum { GROUPS_STEP = 128, GROUPS_MIN = 3 };
+/* G is 3 or 4 (FP8_BF16_SKINNY_MAX_ROWS / 16), and a step is one block of K-blocked
+ * scales (kb = k0 / 128, one skinny_add_block and one set of shifted tables per step):
+ * the array below has a negative size, a compile error, if either stops being true. */
+typedef char skinny_groups_fit[(int)FP8_BF16_SKINNY_MAX_ROWS == 4 * (int)TILE_LANES &&
+                                       (int)GROUPS_STEP == (int)FP8_SCALE_BLOCK
+                                   ? 1
+                                   : -1];
 
 /* 16 weight rows from n0 (`cols` of them real) against G groups of 16 activation rows
  * (`group_stride` uint32 apart) over all of K in steps of 128 k: each step's 16 x 128
  * panel was widened during the step before, 32 widen64 calls spread over the first
  * passes (PER per pass, one every INTERVAL iterations of two k-pairs), and each group in
  * turn runs its dot products against it, its 16 x 16 sums loaded from and stored to
- * `sums` ([column][G x 16 rows]) around the pass. A step is one block of 128 k of
- * K-blocked scales. The last step may hold 64 k (k_padded: a multiple of 64). */
+ * `sums` ([column][G x 16 rows]) around the pass (K-blocked scales: summed from zero
+ * and scaled into `sums` by skinny_add_block, a step being one block of 128 k). The
+ * last step may hold 64 k (k_padded: a multiple of 64) and widens nothing. */
 BF16_TARGET ALWAYS_INLINE void skinny_groups(const fp8_scaled_mm_params* p, const widen_tables_t* t,
                                              const uint32_t* groups, int64_t group_stride, int64_t kp, int64_t n0,
                                              int64_t cols, uint16_t (*panels)[(int)SKINNY_COLS * GROUPS_STEP],
@@ -214,7 +223,7 @@ BF16_TARGET ALWAYS_INLINE void skinny_groups(const fp8_scaled_mm_params* p, cons
       __m512 acc[SKINNY_COLS];
       for (int j = 0; j < SKINNY_COLS; ++j)
         acc[j] = BLOCKED || k0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(group_sums + j * rows_total);
-      const int widens = g * PER < 32;
+      const int widens = next_k < kp && g * PER < 32;
       /* pointers stepped, not indexed: with an int pair index GCC sign-extended and
        * recomputed every broadcast's address (3 integer operations per dot product, the
        * kernel at half speed) */
