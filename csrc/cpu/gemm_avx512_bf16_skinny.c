@@ -141,7 +141,8 @@ BF16_TARGET ALWAYS_INLINE void skinny_columns(const fp8_scaled_mm_params* p, con
     float block_sums[(int)SKINNY_COLS * TILE_LANES] __attribute__((aligned(64)));
     for (int j = 0; j < SKINNY_COLS; ++j) _mm512_store_ps(block_sums + j * TILE_LANES, acc[j]);
     const int64_t kb = block0 / FP8_SCALE_BLOCK;
-    skinny_add_block(p, block_sums, _mm512_loadu_ps((const float*)(scale_a_blocks + kb)), n0, kb, sums, TILE_LANES);
+    const __m512 scale_a = _mm512_loadu_ps((const float*)(scale_a_blocks + kb));
+    skinny_add_block(p, block_sums, scale_a, n0, kb, sums, TILE_LANES);
   }
   if (!EIGHT_ROWS) return;
   /* row r's two lanes added into lane r (lanes 8-15: never stored) */
@@ -295,12 +296,13 @@ BF16_TARGET void fp8_bf16_skinny_compute(const fp8_scaled_mm_params* p, const fp
     const int64_t stride = (kp / 2) * TILE_LANES;
     for (int64_t n0 = n_begin; n0 < n_end; n0 += SKINNY_COLS) {
       const int64_t cols = n_end - n0 < SKINNY_COLS ? n_end - n0 : SKINNY_COLS;
+      float* const s = group_sums;
       if (groups == 3) {
-        if (blocked) skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, group_sums, scale_a_blocks, k_blocks, 3, 1);
-        else skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, group_sums, NULL, k_blocks, 3, 0);
+        if (blocked) skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, s, scale_a_blocks, k_blocks, 3, 1);
+        else skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, s, NULL, k_blocks, 3, 0);
       } else {
-        if (blocked) skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, group_sums, scale_a_blocks, k_blocks, 4, 1);
-        else skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, group_sums, NULL, k_blocks, 4, 0);
+        if (blocked) skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, s, scale_a_blocks, k_blocks, 4, 1);
+        else skinny_groups(p, &t, first, stride, kp, n0, cols, step_panels, s, NULL, k_blocks, 4, 0);
       }
       fp8_bf16_tile_epilogue(p, group_sums, fp8_sums_by_column(groups * TILE_LANES), m_begin, m_end, n0, cols);
     }
