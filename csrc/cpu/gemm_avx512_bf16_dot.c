@@ -50,6 +50,18 @@ BF16_TARGET ALWAYS_INLINE void store_row16(const fp8_scaled_mm_params* p, int64_
   }
 }
 
+/* Every loop over the ROWS x COLS accumulators below is unrolled by this pragma: with
+ * some of them left as loops until after GCC's scalar replacement, it kept the acc
+ * arrays in memory as well as in registers and stored half the accumulators to the stack
+ * in every 64-k step of the dot-product loops (M = 2-4: 6-16 zmm stores per 6-32 dot
+ * products), though never read back there (tests/test_codegen.py looks for such stores).
+ * scaled_mm, 2 threads, AMD EPYC Zen 5, stores -> none, alternated in one process, 9-11
+ * rounds: 4096 x 4096 at M = 4 from cache (four rows by four columns) 1.26-1.27x faster;
+ * from memory, M = 2-4 on the Llama-3-8B shapes 0.93-1.08x, and SmolLM2's from cache at
+ * M = 1-4 0.89-1.07x (noise both ways): where the weights' bytes or the widening bound
+ * the loop, the stores were hidden. */
+#define UNROLL4 _Pragma("GCC unroll 4")
+
 /* ROWS activation rows x COLS weight rows, over all of K: ROWS * COLS float32
  * accumulators of 16 partial sums each. At the end each is reduced and stored, or, with
  * `partials` (COLS = 1), left unreduced at partials + r * 256 for the caller to reduce
@@ -64,10 +76,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
    * capped a thread near 24 GB/s). */
   const int split = !BLOCKED && ROWS * COLS <= 4; /* K-blocked: each block's chain starts from zero */
   __m512 acc[4][4], acc_high[4][4], total[4][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = acc_high[r][c] = total[r][c] = _mm512_setzero_ps();
+  UNROLL4 for (int r = 0; r < ROWS; ++r)
+    UNROLL4 for (int c = 0; c < COLS; ++c) acc[r][c] = acc_high[r][c] = total[r][c] = _mm512_setzero_ps();
   const uint8_t* weight_rows[4];
-  for (int c = 0; c < COLS; ++c) weight_rows[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+  UNROLL4 for (int c = 0; c < COLS; ++c) weight_rows[c] = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
   /* K-blocked scales: scale_a(m0 + r, kb) = *scale_rows[r], scale_b(kb, n0 + c) = *scale_cols[c],
    * the pointers moved on by row_step and col_step per block; each is broadcast from memory
    * at the end of a block and multiplied as a vector (the product of two scalars broadcast
@@ -76,15 +88,15 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
   const float* scale_cols[4];
   const int64_t row_step = fp8_k_block_scale_a_step(p), col_step = fp8_k_block_scale_b_step(p);
   if (BLOCKED) {
-    for (int r = 0; r < ROWS; ++r) scale_rows[r] = fp8_k_block_scale_a_at(p, m0 + r);
-    for (int c = 0; c < COLS; ++c) scale_cols[c] = fp8_k_block_scale_b_at(p, n0 + c);
+    UNROLL4 for (int r = 0; r < ROWS; ++r) scale_rows[r] = fp8_k_block_scale_a_at(p, m0 + r);
+    UNROLL4 for (int c = 0; c < COLS; ++c) scale_cols[c] = fp8_k_block_scale_b_at(p, n0 + c);
   }
   const int64_t k = p->k;
   int64_t block_end = k_padded < FP8_SCALE_BLOCK ? k_padded : FP8_SCALE_BLOCK; /* (k_padded: a multiple of 64) */
   for (int64_t k0 = 0; k0 < k_padded; k0 += 64) {
     const __mmask64 mask = tail_mask64(k - k0);
     __m512i w0[4], w1[4];
-    for (int c = 0; c < COLS; ++c) {
+    UNROLL4 for (int c = 0; c < COLS; ++c) {
       /* Software prefetch, since rows are often exactly one page long and the hardware
        * prefetchers stop at page boundaries (four rows at a time, 14336 x 4096, M = 1:
        * 47% of the read probe without, 81% with). One row at a time reads a single
@@ -107,10 +119,10 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
       }
       widen64(t, _mm512_maskz_loadu_epi8(mask, weight_rows[c] + k0), &w0[c], &w1[c]);
     }
-    for (int r = 0; r < ROWS; ++r) {
+    UNROLL4 for (int r = 0; r < ROWS; ++r) {
       const uint16_t* a = activations + (m0 + r) * k_padded + k0;
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a), a1 = (__m512bh)_mm512_loadu_si512(a + 32);
-      for (int c = 0; c < COLS; ++c) {
+      UNROLL4 for (int c = 0; c < COLS; ++c) {
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a0, (__m512bh)w0[c]);
         if (split) {
           acc_high[r][c] = _mm512_dpbf16_ps(acc_high[r][c], a1, (__m512bh)w1[c]);
@@ -122,20 +134,20 @@ BF16_TARGET ALWAYS_INLINE void dot_block(const fp8_scaled_mm_params* p, const wi
     /* K-blocked scales: at the end of each block of 128 k (k_padded is a multiple of 64),
      * its sums, scaled, join the totals, lane by lane */
     if (BLOCKED && k0 + 64 == block_end) {
-      for (int r = 0; r < ROWS; ++r) {
-        for (int c = 0; c < COLS; ++c) {
+      UNROLL4 for (int r = 0; r < ROWS; ++r) {
+        UNROLL4 for (int c = 0; c < COLS; ++c) {
           const __m512 scale = _mm512_mul_ps(broadcast_from_memory(scale_rows[r]), broadcast_from_memory(scale_cols[c]));
           total[r][c] = _mm512_fmadd_ps(acc[r][c], scale, total[r][c]);
           acc[r][c] = _mm512_setzero_ps();
         }
       }
-      for (int r = 0; r < ROWS; ++r) scale_rows[r] += row_step;
-      for (int c = 0; c < COLS; ++c) scale_cols[c] += col_step;
+      UNROLL4 for (int r = 0; r < ROWS; ++r) scale_rows[r] += row_step;
+      UNROLL4 for (int c = 0; c < COLS; ++c) scale_cols[c] += col_step;
       block_end = k_padded - block_end < FP8_SCALE_BLOCK ? k_padded : block_end + FP8_SCALE_BLOCK;
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int c = 0; c < COLS; ++c) {
+  UNROLL4 for (int r = 0; r < ROWS; ++r) {
+    UNROLL4 for (int c = 0; c < COLS; ++c) {
       const __m512 sums = BLOCKED ? total[r][c] : split ? _mm512_add_ps(acc[r][c], acc_high[r][c]) : acc[r][c];
       if (partials) {
         _mm512_store_ps(partials + r * 256, sums);
