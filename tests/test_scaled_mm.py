@@ -88,6 +88,16 @@ def _tail_operands(m, k, n, scheme, strided):
     return pick(a), w.t(), pick(scale_a) if per_row else scale_a, scale_w.t() if per_row else scale_w
 
 
+def _assert_parts_as_alone(out, parts, a, b, scale_a, scale_b, bias=None):
+    """out (float32, from one call) holds, for each (begin, end) in parts, bit for bit what a
+    call of rows [begin, end) alone gives (a per-row scale_a sliced with them)."""
+    m = a.shape[0]
+    for begin, end in parts:
+        rows_scale_a = scale_a[begin:end] if scale_a.dim() > 0 and scale_a.shape[0] == m else scale_a
+        part = fp8linear.scaled_mm(a[begin:end], b, rows_scale_a, scale_b, bias=bias, out_dtype=torch.float32)
+        assert torch.equal(out[begin:end], part), (begin, end)
+
+
 # 16q + r, 8 + 1 (56: 48 + 8, three groups per step and the eight-row kernel); 25: r = 9 stays in the padded group
 @pytest.mark.parametrize("m", [9, 17, 24, 56, 65, 72, 129, 264, 25])
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
@@ -112,11 +122,7 @@ def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
     if whole_plan != "bf16_tile" or m - main > 8:
         return
     # the split: each part is exactly that part's rows called alone
-    rows = lambda s, begin, end: s[begin:end] if s.dim() > 0 and s.shape[0] == m else s
-    for begin, end in ((0, main), (main, m)):
-        part = fp8linear.scaled_mm(a[begin:end], b, rows(scale_a, begin, end), scale_b, bias=bias,
-                                   out_dtype=torch.float32)
-        assert torch.equal(out[begin:end], part), (begin, end)
+    _assert_parts_as_alone(out, ((0, main), (main, m)), a, b, scale_a, scale_b, bias=bias)
     for out_dtype in (torch.bfloat16, torch.float16):
         assert torch.equal(fp8linear.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype),
                            out.to(out_dtype))
@@ -133,11 +139,7 @@ def test_skinny_groups_sum_as_each_group_alone(m, scheme, strided, cpu_variant):
         pytest.skip("the skinny kernels are the avx512_bf16 variant's (others may sum a row group apart otherwise)")
     a, b, scale_a, scale_b = _tail_operands(m, 300, 70, scheme, strided)
     out = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
-    rows = lambda s, begin, end: s[begin:end] if s.dim() > 0 and s.shape[0] == m else s
-    for begin in range(0, m, 16):
-        end = min(begin + 16, m)
-        part = fp8linear.scaled_mm(a[begin:end], b, rows(scale_a, begin, end), scale_b, out_dtype=torch.float32)
-        assert torch.equal(out[begin:end], part), (begin, end)
+    _assert_parts_as_alone(out, [(begin, min(begin + 16, m)) for begin in range(0, m, 16)], a, b, scale_a, scale_b)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks
