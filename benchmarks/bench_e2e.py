@@ -1,7 +1,8 @@
 """End to end on the CPU: SmolLM2-135M-Instruct in bf16 against its FP8 conversions, side by side.
 
 Times the prefill of a long prompt (time to first token: one forward pass over
---prompt-tokens tokens, where the linear layers run with that many rows) and greedy
+--prompt-tokens tokens, where the linear layers run with that many rows, computing the
+last position's logits only, as transformers' generate does) and greedy
 decode (tokens/s over --new-tokens tokens, one row per step). The bf16 model and each
 FP8 copy run in alternation, round after round, so that the host's drift (its memory
 bandwidth moves by up to 2x within minutes) hits all of them alike; each figure is a
@@ -148,7 +149,9 @@ def write_results(args, results, elapsed) -> pathlib.Path:
         *cpu_results_header(args, elapsed, f"python benchmarks/bench_e2e.py{' --smoke' if args.smoke else ''}"),
         f"Model: {results['description']}.",
         "",
-        f"Prefill: one forward pass over a {args.prompt_tokens}-token prompt (time to first token), "
+        f"Prefill: one forward pass over a {args.prompt_tokens}-token prompt (time to first token; the "
+        "last position's logits only, `logits_to_keep=1` as in `generate`: runs before 2026-12-07 computed "
+        "every position's), "
         f"{args.rounds} rounds; decode: greedy generation of {args.new_tokens} tokens after a short prompt, "
         f"{args.decode_rounds} rounds, both under `torch.no_grad()` (as transformers' `generate`). The models "
         "run in alternation within each round; times are medians "

@@ -105,3 +105,25 @@ def test_room_for_a_copy_counts_parameters_and_buffers(monkeypatch):
     assert demo.room_for_a_copy(model)
     pages["SC_AVPHYS_PAGES"] = 2 * size // 4096 - 1
     assert not demo.room_for_a_copy(model)
+
+
+def test_prefill_computes_the_last_positions_logits_as_generate_does():
+    # transformers' generate passes logits_to_keep=1 to the prompt's forward pass: the
+    # time to the first token has no output-layer product over the other positions
+    from types import SimpleNamespace
+
+    from fp8linear.demo import prefill
+    from tiny_models import logits, tiny_llama, token_ids
+
+    model, ids = tiny_llama(), token_ids(batch=1, length=20)
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    got = prefill(model, ids)
+    assert calls == [1] and got.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(got.float(), logits(model, ids)[:, -1:], rtol=1e-5, atol=1e-5)
+
+    class NoKeepArgument(torch.nn.Module):  # a forward without that argument gets all positions
+        def forward(self, ids):
+            return SimpleNamespace(logits=ids.float().unsqueeze(-1))
+
+    assert prefill(NoKeepArgument(), ids).shape == (1, 20, 1)
