@@ -49,7 +49,7 @@ $(SANITIZE_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
 	  --build-temp $(SANITIZE_DIR)/tmp --build-lib $(SANITIZE_DIR)/lib
 	touch $@
 
-# The CPU benchmark (3-4 minutes on 2 cores): benchmarks/results/cpu-FAMILY.md and .png,
+# The CPU benchmark (5-7 minutes on 2 cores): benchmarks/results/cpu-FAMILY.md and .png,
 # one pair per CPU family (cpu-amd-zen5, cpu-intel-amx, ...).
 # torchao goes into a folder of its own, which only the benchmark puts on its path
 # to try torchao's CPU float8 linear: installed beside the demo, transformers would

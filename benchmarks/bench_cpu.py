@@ -1,6 +1,6 @@
 """CPU benchmark: FP8Linear against what a user would pick instead, in one run.
 
-    python benchmarks/bench_cpu.py            # full run (3-4 minutes on 2 cores)
+    python benchmarks/bench_cpu.py            # full run (5-7 minutes on 2 cores)
     python benchmarks/bench_cpu.py --smoke    # seconds; part of the tests
 
 For each weight shape (Llama-3-8B's and SmolLM2-135M's) and each number of rows M,

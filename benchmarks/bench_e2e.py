@@ -16,7 +16,7 @@ FP8 weights can shorten, and what they cannot.
 Writes benchmarks/results/e2e-FAMILY.md (e2e-intel-amx, e2e-amd-zen4, ...): one file per
 CPU family, so that a run on one CPU never replaces another's.
 
-    python benchmarks/bench_e2e.py                # about 2 minutes on 2 cores
+    python benchmarks/bench_e2e.py                # about a minute on 2 cores
     python benchmarks/bench_e2e.py --smoke        # a tiny random model: checks the script runs
 """
 from __future__ import annotations

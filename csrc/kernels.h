@@ -131,7 +131,7 @@ typedef enum {
   FP8_MM_SCALAR = 0,     /* any strides; decodes through tables */
   FP8_MM_FLOAT_DOT = 1,  /* AVX2 float32 FMA dot kernel: the avx2/avx512 variants, float32/float16 activations */
   FP8_MM_BF16_DOT = 2,   /* bf16 dot products along K: small M (GEMV) */
-  FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (skinny kernel up to 16) */
+  FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (plan.skinny: the skinny kernel) */
   FP8_MM_AMX = 4,        /* AMX tile products over the same packed activations (amx / amx_emulated variants) */
   FP8_MM_AVX2_PANEL = 5  /* AVX2: float32 register blocks over widened weight panels, M above the dot kernel's */
 } fp8_cpu_mm_method;
@@ -145,9 +145,12 @@ typedef struct {
   int64_t scratch_bytes;     /* per thread, 64-byte aligned */
   int64_t tile_m, tile_n;    /* a good work unit for one thread */
   int64_t fold_offset;       /* where in the workspace fp8_cpu_scaled_mm_fold may put its tables; -1: no fold */
+  int skinny;                /* FP8_MM_BF16_TILE: the skinny kernel (M <= 64) runs, not the register tiles */
 } fp8_cpu_mm_plan;
 
-fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p);
+/* threads: how many threads will share the call's tiles (the kernel for 64 padded rows depends
+ * on how evenly its tiles split among them) */
+fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t threads);
 void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace,
                                void* scratch, int64_t m_begin, int64_t m_end);
 void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,

@@ -70,3 +70,18 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     denominator = exact.norm().item()
     difference = (out - exact).norm().item()
     return difference / denominator if denominator else difference
+
+
+def bf16_gemm_kernel(m: int, n: int, threads: int | None = None) -> str:
+    """The kernel cpu_scaled_mm_plan names on the avx512_bf16 variant for M = m > 4 rows and
+    N = n: the skinny kernel (and the eight-row one, M = 5-8) up to 48 padded rows, the
+    register tiles above 64, and at 49-64 (padded to 64) the tiles where their 64-column tiles share out
+    among the threads with the busiest at most 1/8 over an even share (gemm.c's
+    bf16_skinny)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    m_padded = -(-m // 16) * 16
+    if m_padded != 64:
+        return "bf16_skinny" if m_padded < 64 else "bf16_tile"
+    tiles = -(-n // 64)
+    busiest = -(-tiles // threads)
+    return "bf16_skinny" if busiest * threads * 8 > tiles * 9 else "bf16_tile"

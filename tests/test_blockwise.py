@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp8linear
-from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, forced_cpu_variant, relative_error
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_same_fp8, bf16_gemm_kernel, forced_cpu_variant, relative_error
 from fp8linear import reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -270,15 +270,16 @@ def plan(a, b, scale_a, scale_b):
 
 
 # the variants whose kernels fold power-of-two block scales into the operands, and the
-# kernel that does it (on AVX512-BF16 the eight-row, skinny and tile kernels, M > 4)
-FOLDING = {"amx": "amx", "amx_emulated": "amx", "avx512_bf16": "bf16_tile"}
+# kernel that does it (on AVX512-BF16 the eight-row and skinny kernels, bf16_skinny, and
+# the tile kernel, M > 4: bf16_gemm_kernel)
+FOLDING = {"amx": lambda m, n: "amx", "amx_emulated": lambda m, n: "amx", "avx512_bf16": bf16_gemm_kernel}
 
 
-def folding_plan(variant, m):
+def folding_plan(variant, m, n):
     """What cpu_scaled_mm_plan says for foldable scales at M = m (m > 4), or None."""
     if variant not in FOLDING:
         return None
-    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 4 else (FOLDING[variant], True)
+    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 4 else (FOLDING[variant](m, n), True)
 
 
 # AMX: the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel;
@@ -289,7 +290,7 @@ def folding_plan(variant, m):
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 def test_power_of_two_block_scales_fold(m, k, n, out_dtype, cpu_variant):
     a, w, scale_a, scale_w = folding_operands(m, k, n)
-    expected = folding_plan(cpu_variant, m)
+    expected = folding_plan(cpu_variant, m, n)
     assert expected is None or plan(a, w.t(), scale_a, scale_w.t()) == expected
     bias = torch.randn(n)
     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), bias=bias, out_dtype=out_dtype)
@@ -319,7 +320,7 @@ def test_folded_scales_spanning_2_to_the_32():
                     scale_a, scale_w = scale_a.clone(), scale_w.clone()
                     scale_a[:, 1] = scale_a.amax(dim=1) * 2.0**-shift  # the row's smallest, `shift` below its largest
                     scale_w[1, 2] = scale_w[1].amin() * 2.0**shift  # this block row's largest
-                    assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant], folds)
+                    assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant](m, 256), folds)
                     out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
                     exact = reference.scaled_mm_float64(a, w.t(), scale_a, scale_w.t())
                     assert relative_error(out, exact) <= 1e-5
@@ -345,7 +346,7 @@ def test_common_factors_that_would_overflow_do_not_fold():
     for variant in fp8linear.ops.native().cpu_variants_supported():
         with forced_cpu_variant(variant):
             if variant in FOLDING:
-                assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant], False)
+                assert plan(a, w.t(), scale_a, scale_w.t()) == (FOLDING[variant](100, 128), False)
             out = fp8linear.scaled_mm(a, w.t(), scale_a, scale_w.t(), out_dtype=torch.float32)
             assert torch.equal(out, torch.full((100, 128), 2.0**116))  # 256 products of 2^-12, times 2^120
     with pytest.raises(ValueError, match="needs CPU tensors"):
@@ -359,11 +360,13 @@ def test_scales_that_do_not_fold():
     mixed_w[1, 0] *= 0.75  # one block row's do
     for variant in set(FOLDING) & set(fp8linear.ops.native().cpu_variants_supported()):
         with forced_cpu_variant(variant):
-            method = FOLDING[variant]
+            method = FOLDING[variant](100, 140)
             assert plan(a, w.t(), scale_a, scale_w.t()) == (method, True)
             assert plan(a, w.t(), mixed_a, scale_w.t()) == (method, False)
             assert plan(a, w.t(), scale_a, mixed_w.t()) == (method, False)
-            assert plan(a[:64], w.t(), scale_a[:64], scale_w.t()) == (method, True)  # the stream / skinny kernel's M
+            # the stream / skinny kernel's M
+            for rows in (48, 64):
+                assert plan(a[:rows], w.t(), scale_a[:rows], scale_w.t()) == (FOLDING[variant](rows, 140), True)
             assert plan(a[:1], w.t(), scale_a[:1], scale_w.t()) == ("bf16_dot", False)  # decode: the dot kernel
             for sa, sw in ((mixed_a, scale_w), (scale_a, mixed_w)):
                 out = fp8linear.scaled_mm(a, w.t(), sa, sw.t(), out_dtype=torch.float32)
@@ -532,7 +535,7 @@ def test_ue8m0_layers_fold_and_take_every_path():
                     full = layer(x.clone().requires_grad_())  # the full path (autograd)
                 assert torch.equal(full.detach(), expected)
                 method, folded = plan(a, layer.weight.t(), scale_a, layer.weight_scale.t())
-                planned = folding_plan(variant, rows) if rows > 4 else None
+                planned = folding_plan(variant, rows, 260) if rows > 4 else None
                 assert (method, folded) == planned or (planned is None and not folded)
     with pytest.raises(ValueError, match="scale_fmt 'ue8m0' is for block-wise weights"):
         fp8linear.FP8Config(weight_granularity="channel", scale_fmt="ue8m0")

@@ -6,7 +6,7 @@ import torch
 
 import fp8linear
 from fp8linear import reference
-from conftest import FLOAT_DTYPES, FP8_DTYPES, relative_error
+from conftest import FLOAT_DTYPES, FP8_DTYPES, bf16_gemm_kernel, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 ODD_SIZES = [1, 3, 17, 64, 1025]
@@ -119,7 +119,7 @@ def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
     assert relative_error(out, exact) <= 1e-5
     main = 8 if m == 9 else m // 16 * 16
     whole_plan = fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0]
-    if whole_plan != "bf16_tile" or m - main > 8:
+    if whole_plan not in ("bf16_skinny", "bf16_tile") or m - main > 8:
         return
     # the split: each part is exactly that part's rows called alone
     _assert_parts_as_alone(out, ((0, main), (main, m)), a, b, scale_a, scale_b, bias=bias)
@@ -134,12 +134,45 @@ def test_tail_rows_run_apart(m, scheme, strided, cpu_variant):
 def test_skinny_groups_sum_as_each_group_alone(m, scheme, strided, cpu_variant):
     # On AVX512-BF16, 3-4 groups of 16 rows share each step of K (skinny_groups) where a call
     # of one group runs over all of K on its own (skinny_columns): the same sums in the same
-    # order, so each group's rows come out bit for bit as when called alone
+    # order, so each group's rows come out bit for bit as when called alone (N = 40: one
+    # tile of 64 columns, which at 64 rows keeps the skinny kernel on more than one thread)
     if cpu_variant != "avx512_bf16":
         pytest.skip("the skinny kernels are the avx512_bf16 variant's (others may sum a row group apart otherwise)")
-    a, b, scale_a, scale_b = _tail_operands(m, 300, 70, scheme, strided)
+    a, b, scale_a, scale_b = _tail_operands(m, 300, 40, scheme, strided)
     out = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
     _assert_parts_as_alone(out, [(begin, min(begin + 16, m)) for begin in range(0, m, 16)], a, b, scale_a, scale_b)
+
+
+@pytest.mark.parametrize("m", [57, 60, 64])
+@pytest.mark.parametrize("n", [17, 192, 576])
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
+def test_skinny_or_tile_kernel_at_64_rows(m, n, scheme, cpu_variant):
+    # On AVX512-BF16 M = 57-64 (four groups of 16 rows; 49-56 run as 48 + their last rows)
+    # runs the tile kernel's 4 x 16-row by 6-column register tiles where its 64-column
+    # tiles share out evenly among the threads (one thread: always; two: 576 columns, nine
+    # tiles, but not 17 or 192), else the skinny kernel; both sum each output in the same
+    # order, so the bits are the same either way
+    a, b, scale_a, scale_b = _tail_operands(m, 300, n, scheme, strided=False)
+    outs, kernels = [], set()
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kernel = fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0]
+            if cpu_variant == "avx512_bf16":
+                assert kernel == bf16_gemm_kernel(m, n, threads)
+                kernels.add(kernel)
+            outs.append(fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32))
+    finally:
+        torch.set_num_threads(previous)
+    if scheme == "weight_only":
+        exact = a.double() @ (b.double() * scale_b.double())
+    else:
+        exact = reference.scaled_mm_float64(a, b, scale_a, scale_b)
+    assert relative_error(outs[0], exact) <= 1e-5
+    assert torch.equal(outs[0], outs[1])
+    if cpu_variant == "avx512_bf16":
+        assert kernels == ({"bf16_tile"} if n == 576 else {"bf16_tile", "bf16_skinny"})
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 33, 256, 777])  # dot | eight-row | skinny (<= 64) | tile; 777: row chunks

@@ -192,8 +192,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "FP8Linear's fast path for dynamic activations that sibling layers share: (out, q, scale) given "
              "the input's quantization (q, scale) or making it, or None where the full forward must run.");
   module.def("cpu_scaled_mm_plan", &fp8linear::cpu_scaled_mm_plan,
-             "(kernel, folded): the CPU kernel scaled_mm runs for these operands (scalar, float_dot, bf16_dot, "
-             "bf16_tile, amx, avx2_panel) and whether their block scales fold into the operands (power-of-two "
+             "(kernel, folded): the CPU kernel scaled_mm runs for these operands with torch's thread count "
+             "(scalar, float_dot, bf16_dot, bf16_skinny, bf16_tile, amx, avx2_panel) and whether their block scales fold into the operands (power-of-two "
              "steps along K: the AMX kernels then sum over all of K in their tiles).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA

@@ -346,7 +346,7 @@ fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t k, int64_
 void run_scaled_mm(const fp8_scaled_mm_params& given) {
   const int64_t m = given.m, n = given.n;
   const int64_t threads = at::get_num_threads();
-  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given), n, given.k, threads);
+  const fp8_cpu_mm_plan plan = balance_tiles(fp8_cpu_scaled_mm_plan(&given, threads), n, given.k, threads);
 #if defined(__SANITIZE_ADDRESS__)
   // The instrumented build (make sanitize) gives the workspace and each thread's scratch
   // fresh buffers of exactly the sizes the plan asked for, freed after the call: in the
@@ -405,7 +405,7 @@ constexpr int64_t kMaxTailRows = 8;
 int64_t tail_rows(const fp8_scaled_mm_params& p) {
   const int64_t tail = p.m == 9 ? 1 : p.m > 16 ? p.m % 16 : 0;
   if (tail == 0 || tail > kMaxTailRows) return 0;
-  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p);
+  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p, at::get_num_threads());
   return plan.method == FP8_MM_BF16_TILE ? tail : 0;
 }
 
@@ -447,7 +447,7 @@ std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::
   const at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
   const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, at::Tensor(), out);
-  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p);
+  const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p, at::get_num_threads());
   static const char* const names[] = {"scalar", "float_dot", "bf16_dot", "bf16_tile", "amx", "avx2_panel"};
   bool folded = false;
   if (plan.fold_offset >= 0) {
@@ -455,7 +455,8 @@ std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::
     fp8_scaled_mm_params unused;
     folded = fp8_cpu_scaled_mm_fold(&p, &plan, workspace.data_ptr(), &unused) != 0;
   }
-  return {names[plan.method], folded};
+  // (the AVX512-BF16 tile method runs the skinny kernel or the register tiles: plan.skinny)
+  return {plan.skinny ? "bf16_skinny" : names[plan.method], folded};
 }
 
 TORCH_LIBRARY_IMPL(fp8linear, CPU, m) {

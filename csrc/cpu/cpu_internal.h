@@ -78,8 +78,9 @@ static inline void fp8_store_dot_sum(const fp8_scaled_mm_params* p, int64_t m, i
 /* Bytes fp8_cpu_scaled_mm_fold (fold_scales.c) may write at plan->fold_offset. */
 int64_t fp8_cpu_fold_bytes(const fp8_scaled_mm_params* p);
 
-/* Up to this many (padded) activation rows the AVX512-BF16 variant runs its skinny
- * kernel (16 weight rows at a time, the plan's tile_n), above it the tile kernel. */
+/* Up to this many (padded) activation rows the AVX512-BF16 variant may run its skinny
+ * kernel (16 weight rows at a time, the plan's tile_n; at exactly this many, plan.skinny
+ * says whether it does), above it the tile kernel. */
 enum { FP8_BF16_SKINNY_MAX_ROWS = 64 };
 /* M = 5-8 on the AVX512-BF16 variant: padded to this many rows (the plan's m_padded; one
  * block of rows, never split), the eight-row kernel, 16 weight rows at a time. */

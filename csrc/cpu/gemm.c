@@ -137,7 +137,29 @@ enum { AMX_DOT_MAX_WORK = 2 << 20 };
 static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 #endif
 
-fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
+#if FP8_X86_KERNELS
+/* The AVX512-BF16 skinny kernel up to 48 (padded) rows. At 64 rows (4 groups of 16) the
+ * tile kernel's 4 x 16-row by 6-column register tiles (10 loads per 24 dot products,
+ * where the skinny kernel loads 17 per 16) unless its 64-column tiles leave the busiest
+ * of `threads` more than 1/8 over an even share; the skinny kernel's 16-column ones
+ * balance better. Both sum each output in the same order (the same bits). FP8Linear at
+ * M = 64, tile over skinny, AMD EPYC Zen 5, medians of 9 rounds alternated in one
+ * process, 2 threads: 4096 x 4096 1.06-1.08x faster, 14336 x 4096 1.06-1.09x (0.96x in
+ * a 7-round run), 4096 x 14336 1.04-1.14x, 1536 x 576 1.21-1.23x, 576 x 1536 1.12-1.15x,
+ * 576 x 576 1.11-1.17x; 192 x 576 (three tiles for two threads) 0.93-1.03x, so it stays
+ * skinny; one thread: the Llama shapes 0.96-0.99x, SmolLM2's 1.14-1.21x. At 33-48 rows
+ * the tile kernel's 3-vector tiles ran 0.93-0.96x on 4096 x 4096 and 1.02-1.13x on
+ * SmolLM2's shapes: no change there. */
+static int bf16_skinny(int64_t m_padded, int64_t n, int64_t threads) {
+  if (m_padded != FP8_BF16_SKINNY_MAX_ROWS) return m_padded < FP8_BF16_SKINNY_MAX_ROWS;
+  const int64_t workers = threads < 1 ? 1 : threads;
+  const int64_t tiles = (n + 63) / 64, busiest = (tiles + workers - 1) / workers;
+  return busiest * workers * 8 > tiles * 9;
+}
+#endif
+
+fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t threads) {
+  (void)threads; /* (the x86-64 kernels' choice) */
   fp8_cpu_mm_plan plan;
   memset(&plan, 0, sizeof plan);
   plan.variant = fp8_cpu_active_variant();
@@ -177,7 +199,8 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p) {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = p->m <= FP8_BF16_ROWS8 ? FP8_BF16_ROWS8 : round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* all rows per tile; the bindings split M too when N alone does not even out */
-      plan.tile_n = plan.m_padded <= FP8_BF16_SKINNY_MAX_ROWS ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
+      plan.skinny = bf16_skinny(plan.m_padded, p->n, threads);
+      plan.tile_n = plan.skinny ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }
     plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
     plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);

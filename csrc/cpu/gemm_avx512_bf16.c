@@ -15,7 +15,9 @@
  * - tile kernel (large M, GEMM): widen a panel of weight rows into an L1/L2-sized
  *   buffer and reuse it for a chunk of up to 192 rows (widened again per chunk,
  *   1/192 of the work or less); activations are packed so that one
- *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast;
+ *   vector holds 16 rows' (k, k+1) pair and weight pairs are broadcast; also M = 57-64
+ *   (64 padded rows) where its 64-column tiles share out evenly among the threads
+ *   (plan.skinny; M = 49-56 runs as 48 rows and the last ones apart);
  * - skinny kernel (9 <= M <= 64; in gemm_avx512_bf16_skinny.c): the tile kernel's data
  *   layout for one group of 16 rows at a time (3-4 groups: all of them per step of K,
  *   against one widening), with the widening of the next small panel interleaved with
@@ -96,7 +98,7 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
 /* ---- tile kernel (large M) ------------------------------------------------- */
 
 enum {
-  TILE_VECTORS = 3,       /* activation vectors per register tile: 48 rows */
+  TILE_VECTORS = 4,       /* activation vectors per register tile, at most: 64 rows (usually 3: 48 rows) */
   TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
   TILE_WHOLE_K_MAX = 2048, /* up to this K (padded) a panel holds all of K: 64 x 2048 bf16 = 256 KiB */
   TILE_K_BLOCK = 256,     /* K per pass beyond it: the widened panel is 64 x 256 bf16 = 32 KiB */
@@ -225,14 +227,22 @@ BF16_TARGET ALWAYS_INLINE void tile_block(const uint32_t* activations, int64_t g
 }
 
 /* 16 weight rows (panel rows b, `panel_pairs` apart) against VECTORS groups of 16
- * activation rows: as 2 x 8 columns for 2 or 3 vectors (up to 24 accumulators), at once
- * for 1. */
+ * activation rows: as 2 x 8 columns for 2 or 3 vectors (up to 24 accumulators), as 6 + 6
+ * + 4 columns for 4 (24, 24 and 16), at once for 1. */
 BF16_TARGET ALWAYS_INLINE void tile_columns16(const uint32_t* a, int64_t group_stride, const uint32_t* b,
                                               int64_t panel_pairs, int pairs, float* sums, int64_t rows, int first,
                                               const fp8_scaled_mm_params* p, const __m512* scales, int64_t n_first,
                                               int64_t kb, const int VECTORS, const int BLOCKED) {
   if (VECTORS == 1) {
     tile_block(a, group_stride, b, panel_pairs, pairs, sums, rows, first, p, scales, n_first, kb, 1, 16, BLOCKED);
+    return;
+  }
+  if (VECTORS == 4) {
+    tile_block(a, group_stride, b, panel_pairs, pairs, sums, rows, first, p, scales, n_first, kb, 4, 6, BLOCKED);
+    tile_block(a, group_stride, b + 6 * panel_pairs, panel_pairs, pairs, sums + 6 * rows, rows, first, p, scales,
+               n_first + 6, kb, 4, 6, BLOCKED);
+    tile_block(a, group_stride, b + 12 * panel_pairs, panel_pairs, pairs, sums + 12 * rows, rows, first, p, scales,
+               n_first + 12, kb, 4, 4, BLOCKED);
     return;
   }
   tile_block(a, group_stride, b, panel_pairs, pairs, sums, rows, first, p, scales, n_first, kb, VECTORS, 8, BLOCKED);
@@ -265,6 +275,10 @@ BF16_TARGET ALWAYS_INLINE void tile_row_tiles(const uint32_t* activations, int64
       const int64_t step_kb = kb + pair0 / (FP8_SCALE_BLOCK / 2);
       const __m512* scales = BLOCKED ? scale_rows + (pair0 / (FP8_SCALE_BLOCK / 2)) * TILE_VECTORS : NULL;
       switch (vectors) {
+        case 4:
+          tile_columns16(a, group_stride, b, panel_pairs, pairs, tile_sums, rows, first_step, p, scales, n_first,
+                         step_kb, 4, BLOCKED);
+          break;
         case 3:
           tile_columns16(a, group_stride, b, panel_pairs, pairs, tile_sums, rows, first_step, p, scales, n_first,
                          step_kb, 3, BLOCKED);
@@ -376,10 +390,12 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
       widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, panel);
       for (int64_t r0 = 0; r0 < rows;) {
         const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
-        /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as 2 + 2
-         * rather than 3 + 1, since a 1-vector tile is bound by its broadcasts. */
+        /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as one
+         * tile of 4 x 6 columns (M = 64: bf16_skinny in gemm.c; M = 112 1.05x faster
+         * than as 2 + 2, 4096 x 4096, AMD EPYC Zen 5), never 3 + 1, since a 1-vector tile
+         * is bound by its broadcasts. */
         const int64_t groups_left = (rows - r0) / TILE_LANES;
-        const int vectors = groups_left == 1 ? 1 : (groups_left == 2 || groups_left == 4) ? 2 : 3;
+        const int vectors = groups_left == 1 ? 1 : groups_left == 2 ? 2 : groups_left == 4 ? 4 : 3;
         const int first = k0 == 0;
         const int64_t kb = k0 / FP8_SCALE_BLOCK;
         if (blocked) {
@@ -432,7 +448,7 @@ int64_t fp8_bf16_scratch_bytes(const fp8_cpu_mm_plan* plan) {
   /* the skinny kernel's scale_a per group of 16 rows and block of 128 k (K-blocked calls) */
   const int64_t groups = (plan->m_padded + TILE_LANES - 1) / TILE_LANES;
   const int64_t k_blocks = (plan->k_padded + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-  const int64_t compute = plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS
+  const int64_t compute = plan->skinny
                               ? groups * k_blocks * (int64_t)sizeof(__m512)
                               : tile_panel_bytes(plan->k_padded) +
                                     TILE_PANEL_COLS * chunk_rows * (int64_t)sizeof(float);
@@ -462,7 +478,7 @@ BF16_TARGET void fp8_bf16_compute(const fp8_scaled_mm_params* p, const fp8_cpu_m
   fp8_bf16_build_widen_tables();
   if (plan->method == FP8_MM_BF16_DOT) {
     fp8_bf16_dot_compute(p, plan, (const uint16_t*)workspace, m_begin, m_end, n_begin, n_end);
-  } else if (plan->m_padded <= FP8_BF16_SKINNY_MAX_ROWS) {
+  } else if (plan->skinny) {
     fp8_bf16_skinny_compute(p, plan, (const uint32_t*)workspace, scratch, m_begin, m_end, n_begin, n_end);
   } else {
     tile_kernel(p, plan, (const uint32_t*)workspace, (uint8_t*)scratch, m_begin, m_end, n_begin, n_end);
