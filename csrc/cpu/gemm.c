@@ -147,7 +147,10 @@ static int64_t round_up(int64_t value, int64_t multiple) { return (value + multi
  * process, 2 threads: 4096 x 4096 1.06-1.08x faster, 14336 x 4096 1.06-1.09x (0.96x in
  * a 7-round run), 4096 x 14336 1.04-1.14x, 1536 x 576 1.21-1.23x, 576 x 1536 1.12-1.15x,
  * 576 x 576 1.11-1.17x; 192 x 576 (three tiles for two threads) 0.93-1.03x, so it stays
- * skinny; one thread: the Llama shapes 0.96-0.99x, SmolLM2's 1.14-1.21x. At 33-48 rows
+ * skinny; one thread: the Llama shapes 0.96-0.99x, SmolLM2's 1.14-1.21x. Weights cycled
+ * from memory (as in a model; 5-7 rounds): 0.86-1.08x before the tile kernel fetched its
+ * first panel ahead (TILE_FIRST_PANEL_ROWS_AHEAD), 1.08-1.14x on 576 x 1536, 1536 x 576,
+ * 4096 x 4096 and 1.06x on 576 x 576 with it. At 33-48 rows
  * the tile kernel's 3-vector tiles ran 0.93-0.96x on 4096 x 4096 and 1.02-1.13x on
  * SmolLM2's shapes: no change there. */
 static int bf16_skinny(int64_t m_padded, int64_t n, int64_t threads) {

@@ -307,6 +307,17 @@ BF16_TARGET ALWAYS_INLINE void tile_row_tiles(const uint32_t* activations, int64
  * 1.01-1.06x faster, SmolLM2's (whole-K panels, ~0.6% of samples waiting) 0.99-1.01x. */
 enum { TILE_PREFETCH_PANELS = 2 };
 
+/* Nothing fetched a thread's first panel (nor its second) ahead: with weights from memory
+ * (a layer of a model, whose weights leave the cache between its calls) the first
+ * panel's widening waited on them, up to ~15% of a small layer's call at M = 64-128. So
+ * while the first panel of a call is widened, each row's lines are fetched this many rows
+ * ahead into L1, and the second panel's matching lines into L2. FP8Linear, weights cycled
+ * from memory (>= 512 MB of copies), 2 threads, AMD EPYC Zen 5, medians of 5-7 alternated
+ * rounds, two runs: M = 64 576 x 1536 1.07-1.08x faster, 1536 x 576 1.08-1.13x, 576 x 576
+ * 1.06-1.09x, 4096 x 4096 1.01-1.14x, M = 96-128 1.01-1.08x; from M = 256, and the Llama
+ * shapes' larger layers at M = 64, 0.99-1.03x; weights in cache 0.96-1.03x. */
+enum { TILE_FIRST_PANEL_ROWS_AHEAD = 4 };
+
 typedef struct {
   const uint8_t* row0; /* the panel's first weight row at its k0 */
   int64_t cols;        /* its rows in this thread's columns (0: none) */
@@ -314,9 +325,9 @@ typedef struct {
 } panel_ahead_t;
 
 static panel_ahead_t panel_ahead(const fp8_scaled_mm_params* p, int64_t n0, int64_t n_end, int64_t k0,
-                                 int64_t panel_k) {
+                                 int64_t panel_k, int64_t distance) {
   const int64_t blocks = (p->k + panel_k - 1) / panel_k; /* panels per TILE_PANEL_COLS weight rows */
-  const int64_t index = k0 / panel_k + TILE_PREFETCH_PANELS;
+  const int64_t index = k0 / panel_k + distance;
   const int64_t ahead_n0 = n0 + index / blocks * TILE_PANEL_COLS, ahead_k0 = index % blocks * panel_k;
   const int64_t cols = n_end - ahead_n0 < TILE_PANEL_COLS ? n_end - ahead_n0 : TILE_PANEL_COLS;
   const panel_ahead_t none = {NULL, 0, 0};
@@ -334,14 +345,28 @@ BF16_TARGET ALWAYS_INLINE void prefetch_panel_ahead(const fp8_scaled_mm_params* 
     _mm_prefetch((const char*)(ahead->row0 + c * p->b_col_stride + kk), _MM_HINT_T1);
 }
 
+/* The call's first panel (next: the panel after it): row c + TILE_FIRST_PANEL_ROWS_AHEAD
+ * of it into L1 and row c of the next one into L2, over the panel's k_block, before row c
+ * is widened. */
+BF16_TARGET ALWAYS_INLINE void prefetch_first_panel_row(const fp8_scaled_mm_params* p, const panel_ahead_t* next,
+                                                        int64_t n0, int64_t cols, int64_t k0, int64_t k_block,
+                                                        int64_t c) {
+  const int64_t ahead = c + TILE_FIRST_PANEL_ROWS_AHEAD;
+  for (int64_t kk = 0; kk < k_block && k0 + kk < p->k; kk += 64) {
+    if (ahead < cols) _mm_prefetch((const char*)p->b + (n0 + ahead) * p->b_col_stride + k0 + kk, _MM_HINT_T0);
+    prefetch_panel_ahead(p, next, c, kk);
+  }
+}
+
 /* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block), widened into `panel`
  * (TILE_PANEL_COLS rows of k_block bf16; rows past `cols` are zero); the panel `ahead`
- * prefetched. Folded
+ * prefetched, and where `next` is given (the call's first panel) the panel after it and
+ * this one's rows ahead of their widening. Folded
  * block scales (p->fold_b): the panel's rows lie in one block of 128 weight rows (n0 is a
  * multiple of 64), so one set of shifted tables serves each 128 k of them. */
 BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t n0,
                                            int64_t cols, int64_t k0, int64_t k_block, const panel_ahead_t* ahead,
-                                           uint16_t* panel) {
+                                           const panel_ahead_t* next, uint16_t* panel) {
   for (int64_t c = cols; c < TILE_PANEL_COLS; ++c) memset(panel + c * k_block, 0, sizeof(uint16_t) * (size_t)k_block);
   if (p->fold_b) {
     const int8_t* shifts = p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks;
@@ -350,6 +375,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
       const int64_t kb1 = k_block - kb0 < FP8_SCALE_BLOCK ? k_block : kb0 + FP8_SCALE_BLOCK;
       for (int64_t c = 0; c < cols; ++c) {
         const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+        if (next != NULL && kb0 == 0) prefetch_first_panel_row(p, next, n0, cols, k0, k_block, c);
         for (int64_t kk = kb0; kk < kb1; kk += 64) {
           prefetch_panel_ahead(p, ahead, c, kk);
           widen64_store(&shifted, row + k0 + kk, p->k - (k0 + kk), panel + c * k_block + kk);
@@ -361,6 +387,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
   for (int64_t c = 0; c < cols; ++c) {
     uint16_t* dest = panel + c * k_block;
     const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride;
+    if (next != NULL) prefetch_first_panel_row(p, next, n0, cols, k0, k_block, c);
     for (int64_t kk = 0; kk < k_block; kk += 64) {
       /* 64 rows x 4 lines at a time are more streams than the hardware prefetchers follow
        * (M = 64, 4096 x 4096, one thread: 7.2 ms per call without a software prefetch,
@@ -373,7 +400,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
 
 BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan,
                                          const uint32_t* packed, uint8_t* scratch, int64_t m_begin, int64_t m_end,
-                                         int64_t n_begin, int64_t n_end) {
+                                         int64_t n_begin, int64_t n_end, int first_chunk) {
   const widen_tables_t t = load_widen_tables(p->b_format);
   const int64_t kp = plan->k_padded;
   const int64_t group_stride = (kp / 2) * TILE_LANES;                     /* uint32 between row groups */
@@ -386,8 +413,11 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
     for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
       const int64_t k_block = kp - k0 < panel_k ? kp - k0 : panel_k;
-      const panel_ahead_t ahead = panel_ahead(p, n0, n_end, k0, panel_k);
-      widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, panel);
+      const panel_ahead_t ahead = panel_ahead(p, n0, n_end, k0, panel_k, TILE_PREFETCH_PANELS);
+      /* the first chunk's first panel: TILE_FIRST_PANEL_ROWS_AHEAD */
+      const panel_ahead_t next = panel_ahead(p, n0, n_end, k0, panel_k, 1);
+      const int first_panel = first_chunk && n0 == n_begin && k0 == 0;
+      widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, first_panel ? &next : NULL, panel);
       for (int64_t r0 = 0; r0 < rows;) {
         const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
         /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as one
@@ -435,7 +465,8 @@ BF16_TARGET static void tile_kernel(const fp8_scaled_mm_params* p, const fp8_cpu
   const int64_t chunks = (groups * TILE_LANES + TILE_ROW_CHUNK - 1) / TILE_ROW_CHUNK;
   const int64_t chunk_rows = (groups + chunks - 1) / chunks * TILE_LANES;
   for (int64_t m0 = m_begin; m0 < m_end; m0 += chunk_rows)
-    tile_kernel_rows(p, plan, packed, scratch, m0, m_end - m0 < chunk_rows ? m_end : m0 + chunk_rows, n_begin, n_end);
+    tile_kernel_rows(p, plan, packed, scratch, m0, m_end - m0 < chunk_rows ? m_end : m0 + chunk_rows, n_begin, n_end,
+                     m0 == m_begin);
 }
 
 /* ---- entry points ---------------------------------------------------------- */
