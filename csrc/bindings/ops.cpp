@@ -193,8 +193,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "the input's quantization (q, scale) or making it, or None where the full forward must run.");
   module.def("cpu_scaled_mm_plan", &fp8linear::cpu_scaled_mm_plan,
              "(kernel, folded): the CPU kernel scaled_mm runs for these operands with torch's thread count "
-             "(scalar, float_dot, bf16_dot, bf16_skinny, bf16_tile, amx, avx2_panel) and whether their block scales fold into the operands (power-of-two "
-             "steps along K: the AMX kernels then sum over all of K in their tiles).");
+             "(scalar, float_dot, bf16_dot, bf16_skinny, bf16_tile, amx, avx2_panel) and whether their block "
+             "scales fold into the operands (power-of-two steps along K: the AMX kernels then sum over all of K "
+             "in their tiles).");
   module.def("cuda_built", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
 #ifdef FP8LINEAR_WITH_CUDA
   fp8linear::register_cuda_python(module);

@@ -150,9 +150,9 @@ static int64_t round_up(int64_t value, int64_t multiple) { return (value + multi
  * skinny; one thread: the Llama shapes 0.96-0.99x, SmolLM2's 1.14-1.21x. Weights cycled
  * from memory (as in a model; 5-7 rounds): 0.86-1.08x before the tile kernel fetched its
  * first panel ahead (TILE_FIRST_PANEL_ROWS_AHEAD), 1.08-1.14x on 576 x 1536, 1536 x 576,
- * 4096 x 4096 and 1.06x on 576 x 576 with it. At 33-48 rows
- * the tile kernel's 3-vector tiles ran 0.93-0.96x on 4096 x 4096 and 1.02-1.13x on
- * SmolLM2's shapes: no change there. */
+ * 4096 x 4096 and 1.06x on 576 x 576 with it. At 33-48 rows the tile kernel's 3-vector
+ * tiles ran 0.93-0.96x on 4096 x 4096 and 1.02-1.13x on SmolLM2's shapes: no change
+ * there. */
 static int bf16_skinny(int64_t m_padded, int64_t n, int64_t threads) {
   if (m_padded != FP8_BF16_SKINNY_MAX_ROWS) return m_padded < FP8_BF16_SKINNY_MAX_ROWS;
   const int64_t workers = threads < 1 ? 1 : threads;
