@@ -414,10 +414,12 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
     for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
       const int64_t k_block = kp - k0 < panel_k ? kp - k0 : panel_k;
       const panel_ahead_t ahead = panel_ahead(p, n0, n_end, k0, panel_k, TILE_PREFETCH_PANELS);
-      /* the first chunk's first panel: TILE_FIRST_PANEL_ROWS_AHEAD */
-      const panel_ahead_t next = panel_ahead(p, n0, n_end, k0, panel_k, 1);
-      const int first_panel = first_chunk && n0 == n_begin && k0 == 0;
-      widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, first_panel ? &next : NULL, panel);
+      if (first_chunk && n0 == n_begin && k0 == 0) { /* the call's first panel: TILE_FIRST_PANEL_ROWS_AHEAD */
+        const panel_ahead_t next = panel_ahead(p, n0, n_end, k0, panel_k, 1);
+        widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, &next, panel);
+      } else {
+        widen_weight_panel(p, &t, n0, cols, k0, k_block, &ahead, NULL, panel);
+      }
       for (int64_t r0 = 0; r0 < rows;) {
         const uint32_t* activations = packed + ((m_begin + r0) / TILE_LANES) * group_stride + k0 / 2 * TILE_LANES;
         /* 3 vectors (48 rows) per register tile; a remainder of 4 vectors runs as one
