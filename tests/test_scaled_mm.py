@@ -142,14 +142,17 @@ def test_skinny_groups_sum_as_each_group_alone(m, scheme, strided, cpu_variant):
 
 @pytest.mark.parametrize("m", [57, 60, 64])
 @pytest.mark.parametrize("n", [17, 192, 576])
+@pytest.mark.parametrize("k", [300, 2500])
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
-def test_skinny_or_tile_kernel_at_64_rows(m, n, scheme, cpu_variant):
+def test_skinny_or_tile_kernel_at_64_rows(m, n, k, scheme, cpu_variant):
     # On AVX512-BF16 M = 57-64 (four groups of 16 rows; 49-56 run as 48 + their last rows)
     # runs the tile kernel's 4 x 16-row by 6-column register tiles where its 64-column
     # tiles share out evenly among the threads (one thread: always; two: 576 columns, nine
     # tiles, but not 17 or 192), else the skinny kernel; both sum each output in the same
-    # order, so the bits are the same either way
-    a, b, scale_a, scale_b = _tail_operands(m, 300, n, scheme, strided=False)
+    # order, so the bits are the same either way. K = 2500: the tile kernel's 256-k panels
+    # (the last one ending inside K) and its prefetch of the panels ahead across K blocks
+    # and column panels.
+    a, b, scale_a, scale_b = _tail_operands(m, k, n, scheme, strided=False)
     outs, kernels = [], set()
     previous = torch.get_num_threads()
     try:
