@@ -102,6 +102,8 @@ enum {
   TILE_PANEL_COLS = 64,   /* weight rows widened together (a multiple of 16) */
   TILE_WHOLE_K_MAX = 2048, /* up to this K (padded) a panel holds all of K: 64 x 2048 bf16 = 256 KiB */
   TILE_K_BLOCK = 256,     /* K per pass beyond it: the widened panel is 64 x 256 bf16 = 32 KiB */
+  TILE_FEW_ROWS = 64,     /* calls of up to this many rows take ... */
+  TILE_K_BLOCK_FEW_ROWS = 128, /* ... panels of 128 k beyond TILE_WHOLE_K_MAX (16 KiB) */
   TILE_ROW_CHUNK = 192,   /* at most this many activation rows per sweep over the weights */
 };
 
@@ -113,11 +115,26 @@ enum {
  * 1024 x 1024 1.05x; 2048 x 2048 M = 256 1.03x, M = 1024 1.04x, M = 2048 1.08x; M = 80 and
  * 128 1.03-1.06x; one thread 1.03x; block-wise float and ue8m0 1.01-1.04x. For K of 2560-
  * 4096 whole-K panels (up to 512 KiB) gained 0.7-1.7%, and 2048-k panels at K = 4096 or
- * 14336 nothing, so larger K keep 256 (32 KiB of L1). */
-static int64_t tile_panel_k(int64_t k_padded) { return k_padded <= TILE_WHOLE_K_MAX ? k_padded : TILE_K_BLOCK; }
+ * 14336 nothing, so larger K keep 256 (32 KiB of L1).
+ *
+ * With at most 64 rows (M = 57-64, and 64-row shares of a call) those take 128 k: a
+ * 256-k panel (32 KiB) and the 64 rows' activations for it (32 KiB) overflowed the 48 KiB
+ * L1 of an AMD Zen 5 every panel, and the panel's widening then waited on its loads for
+ * ~17% of the call (perf: most of its samples just after the load of the codes, however
+ * far ahead the panel had been prefetched into L2 or L1); at 128 k the two take 32 KiB.
+ * The sums are loaded and stored twice as often (24 of each per 64 k-pairs, ~3% more
+ * operations). FP8Linear, 2 threads, AMD EPYC Zen 5, M = 64, 7 alternated rounds: weights
+ * in cache, 4096 x 4096 1.06x faster, 14336 x 4096 1.08x, 4096 x 14336 1.02-1.10x;
+ * weights cycled from memory 1.11x, 1.07x and 1.11x. At M = 80-112 it measured 0.96-1.06x
+ * and at 128-2048 rows 0.94-1.03x, so those keep 256; whole-K panels stay whole (K <=
+ * 2048 in 128-k or 256-k panels at M = 64: 0.90-0.99x on SmolLM2's shapes and 2048 x 2048). */
+static int64_t tile_panel_k(int64_t k_padded, int64_t rows) {
+  return k_padded <= TILE_WHOLE_K_MAX ? k_padded : rows <= TILE_FEW_ROWS ? TILE_K_BLOCK_FEW_ROWS : TILE_K_BLOCK;
+}
 
+/* A panel buffer: large enough for any number of rows. */
 static int64_t tile_panel_bytes(int64_t k_padded) {
-  return TILE_PANEL_COLS * tile_panel_k(k_padded) * (int64_t)sizeof(uint16_t);
+  return TILE_PANEL_COLS * tile_panel_k(k_padded, TILE_FEW_ROWS + 1) * (int64_t)sizeof(uint16_t);
 }
 
 /* Workspace layout of the tile kernels: activations packed by groups of 16 rows,
@@ -395,7 +412,7 @@ BF16_TARGET static void widen_weight_panel(const fp8_scaled_mm_params* p, const 
   const int64_t whole = in_k & ~(int64_t)63;
   if (p->fold_b) {
     const int8_t* shifts = p->fold_b + (n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks;
-    for (int64_t kb0 = 0; kb0 < k_block; kb0 += FP8_SCALE_BLOCK) { /* k0: 0 or a multiple of 256 */
+    for (int64_t kb0 = 0; kb0 < k_block; kb0 += FP8_SCALE_BLOCK) { /* k0: 0 or a multiple of 128 */
       const widen_tables_t shifted = shifted_tables(t, p->b_format, shifts[(k0 + kb0) / FP8_SCALE_BLOCK]);
       const int64_t kb1 = k_block - kb0 < FP8_SCALE_BLOCK ? k_block : kb0 + FP8_SCALE_BLOCK;
       for (int64_t c = 0; c < cols; ++c) {
@@ -426,7 +443,7 @@ BF16_TARGET static void tile_kernel_rows(const fp8_scaled_mm_params* p, const fp
   uint16_t* panel = (uint16_t*)scratch;
   float* sums = (float*)(scratch + tile_panel_bytes(kp));
   const int blocked = fp8_k_blocked(p);
-  const int64_t panel_k = tile_panel_k(kp);
+  const int64_t panel_k = tile_panel_k(kp, rows);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_PANEL_COLS) {
     const int64_t cols = n_end - n0 < TILE_PANEL_COLS ? n_end - n0 : TILE_PANEL_COLS;
     for (int64_t k0 = 0; k0 < kp; k0 += panel_k) {
