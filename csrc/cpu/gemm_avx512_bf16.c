@@ -353,7 +353,9 @@ static panel_ahead_t panel_ahead(const fp8_scaled_mm_params* p, int64_t n0, int6
   return ahead;
 }
 
-/* Lines [kk0, kk1) (from its k0, up to its K) of row c of the panel ahead, into L2. */
+/* Lines [kk0, kk1) (from its k0, up to its K) of row c of the panel ahead, into L2. Always
+ * inlined: GCC once split a condition's body, the prefetch alone, into a function of its
+ * own, found that function free of side effects and removed its calls, prefetch and all. */
 BF16_TARGET ALWAYS_INLINE void prefetch_panel_ahead(const fp8_scaled_mm_params* p, const panel_ahead_t* ahead,
                                                     int64_t c, int64_t kk0, int64_t kk1) {
   if (c >= ahead->cols) return;
