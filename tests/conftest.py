@@ -4,6 +4,7 @@ import contextlib
 import pytest
 import torch
 
+import fp8linear
 from fp8linear._native import native
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -40,6 +41,19 @@ def forced_cpu_variant(name):
     """The CPU kernel variant `name` while the block runs, the previous one after."""
     module = native()
     return forced(module.cpu_variant, module.set_cpu_variant, name)
+
+
+def scaled_mm_on_1_and_2_threads(a, b, scale_a, scale_b):
+    """fp8linear.scaled_mm (float32 out) on one thread and on two, the thread count restored after."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+        torch.set_num_threads(2)
+        double = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    finally:
+        torch.set_num_threads(previous)
+    return single, double
 
 
 @pytest.fixture(params=native().cpu_variants_supported())

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import fp8linear
 from fp8linear import reference
 from fp8linear._native import native
-from conftest import forced_cpu_variant, relative_error
+from conftest import forced_cpu_variant, relative_error, scaled_mm_on_1_and_2_threads
 
 SUPPORTED = native().cpu_variants_supported()
 AMX_VARIANTS = [v for v in ("amx", "amx_emulated") if v in SUPPORTED]
@@ -160,14 +160,7 @@ def test_block_wise_one_and_two_threads_agree_bit_for_bit(m, k, n, amx_variant):
 @pytest.mark.parametrize("m", [3, 16, 40, 300, 700])
 def test_one_and_two_threads_agree_bit_for_bit(m, amx_variant):
     a, b, scale_a, scale_b = _operands(m, 450, 200)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
-        torch.set_num_threads(2)
-        double = fp8linear.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
-    finally:
-        torch.set_num_threads(previous)
+    single, double = scaled_mm_on_1_and_2_threads(a, b, scale_a, scale_b)
     assert torch.equal(single, double)
     assert relative_error(single, reference.scaled_mm_float64(a, b, scale_a, scale_b)) <= 1e-5
 

@@ -271,15 +271,16 @@ def plan(a, b, scale_a, scale_b):
 
 # the variants whose kernels fold power-of-two block scales into the operands, and the
 # kernel that does it (on AVX512-BF16 the eight-row and skinny kernels, bf16_skinny, and
-# the tile kernel, M > 4: bf16_gemm_kernel)
-FOLDING = {"amx": lambda m, n: "amx", "amx_emulated": lambda m, n: "amx", "avx512_bf16": bf16_gemm_kernel}
+# the tile kernel, M > 4: bf16_gemm_kernel; on avx512_fma the float32 FMA tile kernel, M > 4)
+FOLDING = {"amx": lambda m, n: "amx", "amx_emulated": lambda m, n: "amx", "avx512_bf16": bf16_gemm_kernel,
+           "avx512_fma": lambda m, n: "fma_tile" if m >= 17 else bf16_gemm_kernel(m, n)}
 
 
 def folding_plan(variant, m, n):
     """What cpu_scaled_mm_plan says for foldable scales at M = m (m > 4), or None."""
     if variant not in FOLDING:
         return None
-    return ("bf16_dot", False) if variant == "avx512_bf16" and m <= 4 else (FOLDING[variant](m, n), True)
+    return ("bf16_dot", False) if variant in ("avx512_bf16", "avx512_fma") and m <= 4 else (FOLDING[variant](m, n), True)
 
 
 # AMX: the stream kernel (M <= 64), the full-K kernel (K <= 2048) and the panel kernel;

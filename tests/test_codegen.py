@@ -1,4 +1,4 @@
-"""The AVX512-BF16 kernels' dot-product loops keep their accumulators in registers.
+"""The AVX512-BF16 kernels' dot-product loops (and the avx512_fma variant's FMA tiles) keep their accumulators in registers.
 
 Bit-exact tests cannot see where the compiler keeps a sum. Twice GCC kept some of the
 accumulators of an innermost `vdpbf16ps` loop on the stack as well: in the skinny kernel
@@ -66,3 +66,14 @@ def test_dot_product_loops_keep_their_sums_in_registers():
     stores = [(name, found) for name, found in stores if found]
     assert not stores, ("innermost vdpbf16ps loops that store zmm registers to the stack (an accumulator "
                         f"the compiler kept in memory): {[(name, found[:3]) for name, found in stores]}")
+
+
+def test_fma_tile_loops_keep_their_sums_in_registers():
+    # the avx512_fma variant's register tiles (gemm_avx512_fma.c: panel_tiles_V_B, 1-4 vectors,
+    # K-blocked or not), float32 FMAs on zmm registers
+    loops = [(name, body) for name, body in innermost_loops(fp8linear.ops.native().__file__)
+             if "panel_tiles_" in name and any(text.startswith("vfmadd231ps") and "zmm" in text for text in body)]
+    assert len(loops) >= 8, f"found only {len(loops)} innermost FMA loops of the FMA tile kernel"
+    stores = [(name, [text for text in body if STACK_STORE.match(text)]) for name, body in loops]
+    stores = [(name, found) for name, found in stores if found]
+    assert not stores, f"FMA tile loops that store zmm registers to the stack: {stores}"

@@ -6,7 +6,8 @@ import torch
 
 import fp8linear
 from fp8linear import reference
-from conftest import FLOAT_DTYPES, FP8_DTYPES, bf16_gemm_kernel, relative_error
+from conftest import (FLOAT_DTYPES, FP8_DTYPES, bf16_gemm_kernel, forced_cpu_variant, relative_error,
+                      scaled_mm_on_1_and_2_threads)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 ODD_SIZES = [1, 3, 17, 64, 1025]
@@ -86,6 +87,36 @@ def _tail_operands(m, k, n, scheme, strided):
     a, scale_a = fp8linear.quantize_fp8(x, granularity="row" if per_row else "tensor")
     w, scale_w = fp8linear.quantize_fp8(torch.randn(n, k), granularity="row" if per_row else "tensor")
     return pick(a), w.t(), pick(scale_a) if per_row else scale_a, scale_w.t() if per_row else scale_w
+
+
+FMA_VARIANT = "avx512_fma" in fp8linear.ops.native().cpu_variants_supported()
+
+
+@pytest.mark.skipif(not FMA_VARIANT, reason="the avx512_fma variant needs AVX512-BF16 and VBMI")
+@pytest.mark.parametrize("m", [17, 32, 48, 64, 80, 96, 112, 144, 200, 400])
+@pytest.mark.parametrize("k", [1, 64, 127, 128, 129, 300, 1025])
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
+def test_fma_tile_kernel(m, k, scheme):
+    # the avx512_fma variant's float32 FMA tile kernel (M >= 17): register tiles of 1, 2, 3
+    # and 4 groups of 16 rows (17: one padded group; 80: 3 + 2; 112: 3 + 4), chunks of up
+    # to 192 rows (200, 400), panels of 128 k (partial ones at K's end) and of 64 weight
+    # rows (N = 70: a partial one); 1 and 2 threads give the same bits
+    a, b, scale_a, scale_b = _tail_operands(m, k, 70, scheme, strided=False)
+    with forced_cpu_variant("avx512_fma"):
+        assert fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0] == "fma_tile"
+        single, double = scaled_mm_on_1_and_2_threads(a, b, scale_a, scale_b)
+    assert torch.equal(single, double)
+    assert relative_error(single, reference.scaled_mm_float64(a, b, scale_a, scale_b)) <= 1e-5
+
+
+@pytest.mark.skipif(not FMA_VARIANT, reason="the avx512_fma variant needs AVX512-BF16 and VBMI")
+@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 16, 17])
+def test_fma_variant_keeps_the_bf16_kernels_up_to_16_rows(m):
+    a, b, scale_a, scale_b = _operands(m, 300, 70)
+    with forced_cpu_variant("avx512_fma"):
+        expected = "bf16_dot" if m <= 4 else bf16_gemm_kernel(m, 70) if m <= 16 else "fma_tile"
+        assert fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0] == expected
+        _check(a, b, scale_a, scale_b)
 
 
 def _assert_parts_as_alone(out, parts, a, b, scale_a, scale_b, bias=None):

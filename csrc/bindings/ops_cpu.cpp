@@ -320,11 +320,12 @@ constexpr int64_t kRowsPerThreadForRowSplitSmallWeight = 48;
 constexpr int64_t kSmallWeightBytes = int64_t{1} << 20;
 
 fp8_cpu_mm_plan balance_tiles(fp8_cpu_mm_plan plan, int64_t n, int64_t k, int64_t threads) {
-  if ((plan.method != FP8_MM_BF16_TILE && plan.method != FP8_MM_AMX) || threads <= 1) return plan;
+  const bool tile = plan.method == FP8_MM_BF16_TILE || plan.method == FP8_MM_FMA_TILE;
+  if ((!tile && plan.method != FP8_MM_AMX) || threads <= 1) return plan;
   const int64_t groups = plan.m_padded / 16;
   const int64_t row_split_rows = n * k <= kSmallWeightBytes ? kRowsPerThreadForRowSplitSmallWeight
                                                            : kRowsPerThreadForRowSplit;
-  if (plan.method == FP8_MM_BF16_TILE && plan.m_padded / threads >= row_split_rows) {
+  if (tile && plan.m_padded / threads >= row_split_rows) {
     plan.tile_m = (groups + threads - 1) / threads * 16;  // prepare's 16-row blocks per thread
     return plan;
   }
@@ -406,7 +407,7 @@ int64_t tail_rows(const fp8_scaled_mm_params& p) {
   const int64_t tail = p.m == 9 ? 1 : p.m > 16 ? p.m % 16 : 0;
   if (tail == 0 || tail > kMaxTailRows) return 0;
   const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p, at::get_num_threads());
-  return plan.method == FP8_MM_BF16_TILE ? tail : 0;
+  return plan.method == FP8_MM_BF16_TILE || plan.method == FP8_MM_FMA_TILE ? tail : 0;
 }
 
 at::Tensor scaled_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
@@ -448,7 +449,7 @@ std::tuple<std::string, bool> cpu_scaled_mm_plan(const at::Tensor& a, const at::
   const at::Tensor scale_a_c = scale_a.contiguous(), scale_b_c = scale_b_for_kernels(scale_b, a.size(1), b.size(1));
   const fp8_scaled_mm_params p = scaled_mm_params_of(a, b, scale_a_c, scale_b_c, at::Tensor(), out);
   const fp8_cpu_mm_plan plan = fp8_cpu_scaled_mm_plan(&p, at::get_num_threads());
-  static const char* const names[] = {"scalar", "float_dot", "bf16_dot", "bf16_tile", "amx", "avx2_panel"};
+  static const char* const names[] = {"scalar", "float_dot", "bf16_dot", "bf16_tile", "amx", "avx2_panel", "fma_tile"};
   bool folded = false;
   if (plan.fold_offset >= 0) {
     const at::Tensor workspace = at::empty({plan.workspace_bytes}, at::kByte);

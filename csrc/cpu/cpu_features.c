@@ -12,6 +12,7 @@
 typedef struct {
   fp8_cpu_variant best_without_amx; /* scalar .. avx512_bf16 */
   int amx_usable;
+  int fma_over_bf16;                /* an Intel CPU: float32 FMAs outrun vdpbf16ps (avx512_fma) */
   const char* amx_status;           /* "" when AMX is usable, else why not */
 } cpu_features;
 
@@ -73,8 +74,11 @@ static const char* detect_amx(uint64_t xcr0, uint32_t leaf7_edx) {
 }
 
 static cpu_features detect(void) {
-  cpu_features features = {FP8_CPU_SCALAR, 0, "the CPU has no AVX-512"};
+  cpu_features features = {FP8_CPU_SCALAR, 0, 0, "the CPU has no AVX-512"};
   uint32_t eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return features;
+  /* "GenuineIntel" in ebx, edx, ecx */
+  const int intel = ebx == 0x756E6547u && edx == 0x49656E69u && ecx == 0x6C65746Eu;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return features;
   const int osxsave = (ecx >> 27) & 1, has_fma = (ecx >> 12) & 1, has_f16c = (ecx >> 29) & 1;
   if (!osxsave) return features;
@@ -100,11 +104,16 @@ static cpu_features detect(void) {
   features.amx_status = best == FP8_CPU_AVX512_BF16 ? detect_amx(xcr0, leaf7_edx)
                                                     : "the CPU lacks AVX512-BF16 / VBMI, which the AMX kernels also use";
   features.amx_usable = features.amx_status[0] == '\0';
+  /* vdpbf16ps (zmm) per ns on one core against vfmadd231ps: Intel Xeon Emerald Rapids
+   * 1.45 vs 6.0 (90 vs 193 GFLOP/s); AMD Zen 5 7.3 vdpbf16ps, twice its FMAs' flops, and
+   * Zen 4 the same ratio (docs/performance-notes.md). Sapphire and Granite Rapids share
+   * Emerald Rapids' core design; with AMX usable the AMX kernels run instead. */
+  features.fma_over_bf16 = intel && best == FP8_CPU_AVX512_BF16;
   return features;
 }
 #else
 static cpu_features detect(void) {
-  cpu_features features = {FP8_CPU_SCALAR, 0, "not an x86-64 CPU"};
+  cpu_features features = {FP8_CPU_SCALAR, 0, 0, "not an x86-64 CPU"};
   return features;
 }
 #endif
@@ -130,14 +139,15 @@ static const cpu_features* get_features(void) {
 
 fp8_cpu_variant fp8_cpu_best_variant(void) {
   const cpu_features* f = get_features();
-  return f->amx_usable ? FP8_CPU_AMX : f->best_without_amx;
+  return f->amx_usable ? FP8_CPU_AMX : f->fma_over_bf16 ? FP8_CPU_AVX512_FMA : f->best_without_amx;
 }
 
 int fp8_cpu_variant_supported(fp8_cpu_variant variant) {
   const cpu_features* f = get_features();
   switch (variant) {
     case FP8_CPU_AMX: return f->amx_usable;
-    case FP8_CPU_AMX_EMULATED: return f->best_without_amx >= FP8_CPU_AVX512_BF16;
+    case FP8_CPU_AMX_EMULATED:
+    case FP8_CPU_AVX512_FMA: return f->best_without_amx >= FP8_CPU_AVX512_BF16;
     default: return variant >= FP8_CPU_SCALAR && variant <= f->best_without_amx;
   }
 }
@@ -157,6 +167,6 @@ int fp8_cpu_set_variant(fp8_cpu_variant variant) {
 
 const char* fp8_cpu_variant_name(fp8_cpu_variant variant) {
   static const char* const names[FP8_CPU_VARIANT_COUNT] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx",
-                                                           "amx_emulated"};
+                                                           "amx_emulated", "avx512_fma"};
   return (variant >= 0 && variant < FP8_CPU_VARIANT_COUNT) ? names[variant] : "unknown";
 }

@@ -100,6 +100,24 @@ void fp8_bf16_dot_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* 
  * that prepare packed; scratch: their block-wise scale_a table. */
 void fp8_bf16_skinny_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const uint32_t* packed,
                              void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+/* Activation rows [m_begin, m_end) widened to bf16 as the AVX512-BF16 kernels widen them
+ * (k_padded values a row, zero past K, interleave order, folded block scales applied),
+ * row m at out + (m - m_begin) * k_padded. */
+void fp8_bf16_widen_activation_rows(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end, int64_t k_padded,
+                                    uint16_t* out);
+
+/* The avx512_fma variant's float32 FMA tile kernel (gemm_avx512_fma.c, FP8_MM_FMA_TILE):
+ * activations packed by prepare into the workspace (fp8_fma_workspace_bytes: [m_padded /
+ * 16][k_padded][16] float32), per-thread scratch fp8_fma_scratch_bytes; its sums go through
+ * fp8_bf16_tile_epilogue. */
+enum { FP8_FMA_MIN_ROWS = 17 }; /* from this M on; below, the avx512_bf16 variant's kernels */
+int64_t fp8_fma_workspace_bytes(const fp8_cpu_mm_plan* plan);
+int64_t fp8_fma_scratch_bytes(const fp8_cpu_mm_plan* plan);
+void fp8_fma_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,
+                     int64_t m_begin, int64_t m_end);
+void fp8_fma_compute(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, const void* workspace,
+                     void* scratch, int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end);
+
 /* Where the float32 sum of output column c, row r (both from 0) of a block lies:
  * sums[(c / 16) * col_group + (c % 16) * col + (r / 16) * row_group + r % 16]. */
 typedef struct {

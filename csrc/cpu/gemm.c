@@ -198,6 +198,18 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t th
       plan.m_padded = round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* as the tile kernel: the bindings split M too when N alone does not even out */
       plan.tile_n = plan.m_padded <= FP8_AMX_STREAM_MAX_ROWS ? 16 : 64;
+    } else if (plan.variant == FP8_CPU_AVX512_FMA && p->m >= FP8_FMA_MIN_ROWS) {
+      /* float32 FMA register tiles (gemm_avx512_fma.c) from 17 rows; up to 16 the
+       * avx512_bf16 kernels below, whose eight-row and skinny kernels ran faster there.
+       * FP8Linear, 2 threads, Intel Xeon Emerald Rapids without AMX, weights in cache, ms
+       * avx512_bf16 -> avx512_fma (medians of 3 rounds in one process): 4096 x 4096 M = 8
+       * 2.15 -> 4.50, M = 16 4.07 -> 4.42, M = 32 7.68 -> 5.37, M = 64 14.0 -> 8.1, M = 256
+       * 54.8 -> 36.6; 14336 x 4096 M = 16 15.5 -> 16.4, M = 32 31.6 -> 22.1; SmolLM2's
+       * 1536 x 576 M = 16 0.216 -> 0.238, M = 32 0.460 -> 0.333, M = 256 2.69 -> 1.45. */
+      plan.method = FP8_MM_FMA_TILE;
+      plan.m_padded = round_up(p->m, 16);
+      plan.tile_m = plan.m_padded; /* as the tile kernel's */
+      plan.tile_n = 64;
     } else {
       plan.method = FP8_MM_BF16_TILE;
       plan.m_padded = p->m <= FP8_BF16_ROWS8 ? FP8_BF16_ROWS8 : round_up(p->m, 16);
@@ -205,8 +217,11 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t th
       plan.skinny = bf16_skinny(plan.m_padded, p->n, threads);
       plan.tile_n = plan.skinny ? 16 : 64; /* the skinny kernel takes 16 weight rows at a time */
     }
-    plan.workspace_bytes = plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
-    plan.scratch_bytes = plan.method == FP8_MM_AMX ? fp8_amx_scratch_bytes(&plan) : fp8_bf16_scratch_bytes(&plan);
+    plan.workspace_bytes = plan.method == FP8_MM_FMA_TILE ? fp8_fma_workspace_bytes(&plan)
+                                                          : plan.m_padded * plan.k_padded * (int64_t)sizeof(uint16_t);
+    plan.scratch_bytes = plan.method == FP8_MM_AMX        ? fp8_amx_scratch_bytes(&plan)
+                         : plan.method == FP8_MM_FMA_TILE ? fp8_fma_scratch_bytes(&plan)
+                                                          : fp8_bf16_scratch_bytes(&plan);
     /* Block scales a power of two apart go into the operands (fp8_cpu_scaled_mm_fold) for
      * the AMX kernels, whose C tiles then stay in the tiles over all of K: block-wise at
      * M = 256 took 1.13-1.37x the per-channel time with a store and scaled add of every C
@@ -219,7 +234,8 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t th
      * of a 64-row panel): FP8Linear, block ue8m0 over per-channel, 2 threads, AMD EPYC
      * Zen 4, one run (bench_cpu.py): M = 64 1.01-1.14 -> 1.02-1.05, M = 256 1.11-1.14 ->
      * 1.01-1.03. The dot kernels and the AVX2 ones keep their per-block sums. */
-    if ((plan.method == FP8_MM_AMX || plan.method == FP8_MM_BF16_TILE) && fp8_k_blocked(p)) {
+    if ((plan.method == FP8_MM_AMX || plan.method == FP8_MM_BF16_TILE || plan.method == FP8_MM_FMA_TILE) &&
+        fp8_k_blocked(p)) {
       plan.fold_offset = round_up(plan.workspace_bytes, 64);
       plan.workspace_bytes = plan.fold_offset + fp8_cpu_fold_bytes(p);
     }
@@ -252,6 +268,8 @@ void fp8_cpu_scaled_mm_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_p
 #if FP8_X86_KERNELS
   if (plan->method == FP8_MM_BF16_DOT || plan->method == FP8_MM_BF16_TILE || plan->method == FP8_MM_AMX)
     fp8_bf16_prepare(p, plan, workspace, scratch, m_begin, m_end);
+  else if (plan->method == FP8_MM_FMA_TILE)
+    fp8_fma_prepare(p, plan, workspace, scratch, m_begin, m_end);
   else if (plan->method == FP8_MM_AVX2_PANEL)
     fp8_avx2_panel_prepare(p, plan, workspace, m_begin, m_end);
   else if (plan->method == FP8_MM_FLOAT_DOT)
@@ -270,6 +288,7 @@ void fp8_cpu_scaled_mm(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* pla
     case FP8_MM_BF16_DOT:
     case FP8_MM_BF16_TILE: fp8_bf16_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_AMX: fp8_amx_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
+    case FP8_MM_FMA_TILE: fp8_fma_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
     case FP8_MM_FLOAT_DOT:
     case FP8_MM_AVX2_PANEL: fp8_avx2_compute(p, plan, workspace, scratch, m_begin, m_end, n_begin, n_end); break;
 #endif

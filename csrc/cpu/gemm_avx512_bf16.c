@@ -95,6 +95,13 @@ BF16_TARGET static void widen_activation_row(const fp8_scaled_mm_params* p, cons
   }
 }
 
+BF16_TARGET void fp8_bf16_widen_activation_rows(const fp8_scaled_mm_params* p, int64_t m_begin, int64_t m_end,
+                                                int64_t k_padded, uint16_t* out) {
+  fp8_bf16_build_widen_tables();
+  const widen_tables_t t = load_widen_tables(p->a_format);
+  for (int64_t m = m_begin; m < m_end; ++m) widen_activation_row(p, &t, m, k_padded, out + (m - m_begin) * k_padded);
+}
+
 /* ---- tile kernel (large M) ------------------------------------------------- */
 
 enum {
