@@ -83,7 +83,7 @@ typedef enum {
    * kernels' logic on any CPU with AVX512-BF16. Never picked as the best variant. */
   FP8_CPU_AMX_EMULATED = 5,
   /* The avx512_bf16 variant with float32 FMA register tiles instead of vdpbf16ps ones for
-   * M > 4 (gemm_avx512_fma.c): the best variant of Intel CPUs with AVX512-BF16 and VBMI
+   * M >= 10 (gemm_avx512_fma.c): the best variant of Intel CPUs with AVX512-BF16 and VBMI
    * but no usable AMX, whose vdpbf16ps runs at a quarter of their FMAs' rate. */
   FP8_CPU_AVX512_FMA = 6,
   FP8_CPU_VARIANT_COUNT = 7
@@ -138,7 +138,7 @@ typedef enum {
   FP8_MM_BF16_TILE = 3,  /* bf16 register tiles over packed activations: larger M (plan.skinny: the skinny kernel) */
   FP8_MM_AMX = 4,        /* AMX tile products over the same packed activations (amx / amx_emulated variants) */
   FP8_MM_AVX2_PANEL = 5, /* AVX2: float32 register blocks over widened weight panels, M above the dot kernel's */
-  FP8_MM_FMA_TILE = 6    /* AVX-512 float32 FMA register tiles over packed activations (avx512_fma variant, M > 4) */
+  FP8_MM_FMA_TILE = 6    /* AVX-512 float32 FMA register tiles over packed activations (avx512_fma variant, M >= 10) */
 } fp8_cpu_mm_method;
 
 typedef struct {

@@ -271,9 +271,9 @@ def plan(a, b, scale_a, scale_b):
 
 # the variants whose kernels fold power-of-two block scales into the operands, and the
 # kernel that does it (on AVX512-BF16 the eight-row and skinny kernels, bf16_skinny, and
-# the tile kernel, M > 4: bf16_gemm_kernel; on avx512_fma the float32 FMA tile kernel, M > 4)
+# the tile kernel, M > 4: bf16_gemm_kernel; on avx512_fma the float32 FMA tile kernel from M = 10)
 FOLDING = {"amx": lambda m, n: "amx", "amx_emulated": lambda m, n: "amx", "avx512_bf16": bf16_gemm_kernel,
-           "avx512_fma": lambda m, n: "fma_tile" if m >= 17 else bf16_gemm_kernel(m, n)}
+           "avx512_fma": lambda m, n: "fma_tile" if m >= 10 else bf16_gemm_kernel(m, n)}
 
 
 def folding_plan(variant, m, n):

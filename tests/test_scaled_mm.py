@@ -93,12 +93,12 @@ FMA_VARIANT = "avx512_fma" in fp8linear.ops.native().cpu_variants_supported()
 
 
 @pytest.mark.skipif(not FMA_VARIANT, reason="the avx512_fma variant needs AVX512-BF16 and VBMI")
-@pytest.mark.parametrize("m", [17, 32, 48, 64, 80, 96, 112, 144, 200, 400])
+@pytest.mark.parametrize("m", [10, 16, 17, 32, 48, 64, 80, 96, 112, 144, 200, 400])
 @pytest.mark.parametrize("k", [1, 64, 127, 128, 129, 300, 1025])
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block", "ue8m0", "weight_only"])
 def test_fma_tile_kernel(m, k, scheme):
-    # the avx512_fma variant's float32 FMA tile kernel (M >= 17): register tiles of 1, 2, 3
-    # and 4 groups of 16 rows (17: one padded group; 80: 3 + 2; 112: 3 + 4), chunks of up
+    # the avx512_fma variant's float32 FMA tile kernel (M >= 10): register tiles of 1, 2, 3
+    # and 4 groups of 16 rows (10, 16: one group; 80: 3 + 2; 112: 3 + 4), chunks of up
     # to 192 rows (200, 400), panels of 128 k (partial ones at K's end) and of 64 weight
     # rows (N = 70: a partial one); 1 and 2 threads give the same bits
     a, b, scale_a, scale_b = _tail_operands(m, k, 70, scheme, strided=False)
@@ -110,11 +110,12 @@ def test_fma_tile_kernel(m, k, scheme):
 
 
 @pytest.mark.skipif(not FMA_VARIANT, reason="the avx512_fma variant needs AVX512-BF16 and VBMI")
-@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 16, 17])
-def test_fma_variant_keeps_the_bf16_kernels_up_to_16_rows(m):
+@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 10, 17])
+def test_fma_variant_keeps_the_bf16_kernels_up_to_9_rows(m):
+    # (M = 9 runs as 8 + 1 rows on the eight-row and dot kernels, test_tail_rows_run_apart)
     a, b, scale_a, scale_b = _operands(m, 300, 70)
     with forced_cpu_variant("avx512_fma"):
-        expected = "bf16_dot" if m <= 4 else bf16_gemm_kernel(m, 70) if m <= 16 else "fma_tile"
+        expected = "bf16_dot" if m <= 4 else bf16_gemm_kernel(m, 70) if m <= 9 else "fma_tile"
         assert fp8linear.ops.native().cpu_scaled_mm_plan(a, b, scale_a, scale_b)[0] == expected
         _check(a, b, scale_a, scale_b)
 

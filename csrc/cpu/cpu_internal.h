@@ -110,7 +110,7 @@ void fp8_bf16_widen_activation_rows(const fp8_scaled_mm_params* p, int64_t m_beg
  * activations packed by prepare into the workspace (fp8_fma_workspace_bytes: [m_padded /
  * 16][k_padded][16] float32), per-thread scratch fp8_fma_scratch_bytes; its sums go through
  * fp8_bf16_tile_epilogue. */
-enum { FP8_FMA_MIN_ROWS = 17 }; /* from this M on; below, the avx512_bf16 variant's kernels */
+enum { FP8_FMA_MIN_ROWS = 10 }; /* from this M on; below, the avx512_bf16 variant's kernels (gemm.c) */
 int64_t fp8_fma_workspace_bytes(const fp8_cpu_mm_plan* plan);
 int64_t fp8_fma_scratch_bytes(const fp8_cpu_mm_plan* plan);
 void fp8_fma_prepare(const fp8_scaled_mm_params* p, const fp8_cpu_mm_plan* plan, void* workspace, void* scratch,

@@ -199,13 +199,15 @@ fp8_cpu_mm_plan fp8_cpu_scaled_mm_plan(const fp8_scaled_mm_params* p, int64_t th
       plan.tile_m = plan.m_padded; /* as the tile kernel: the bindings split M too when N alone does not even out */
       plan.tile_n = plan.m_padded <= FP8_AMX_STREAM_MAX_ROWS ? 16 : 64;
     } else if (plan.variant == FP8_CPU_AVX512_FMA && p->m >= FP8_FMA_MIN_ROWS) {
-      /* float32 FMA register tiles (gemm_avx512_fma.c) from 17 rows; up to 16 the
-       * avx512_bf16 kernels below, whose eight-row and skinny kernels ran faster there.
-       * FP8Linear, 2 threads, Intel Xeon Emerald Rapids without AMX, weights in cache, ms
-       * avx512_bf16 -> avx512_fma (medians of 3 rounds in one process): 4096 x 4096 M = 8
-       * 2.15 -> 4.50, M = 16 4.07 -> 4.42, M = 32 7.68 -> 5.37, M = 64 14.0 -> 8.1, M = 256
-       * 54.8 -> 36.6; 14336 x 4096 M = 16 15.5 -> 16.4, M = 32 31.6 -> 22.1; SmolLM2's
-       * 1536 x 576 M = 16 0.216 -> 0.238, M = 32 0.460 -> 0.333, M = 256 2.69 -> 1.45. */
+      /* float32 FMA register tiles (gemm_avx512_fma.c) from 10 rows (one group of 16
+       * mostly real rows); up to 9 (M = 9: 8 + 1) the avx512_bf16 variant's dot and
+       * eight-row kernels below, which keep 8 rows to a vector. FP8Linear, 2 threads,
+       * Intel Xeon Emerald Rapids without AMX, weights in cache, 7 alternated rounds, time
+       * of the bf16 kernels over the FMA tiles: M = 5 0.75-0.93, M = 8 0.76-0.89, M = 9
+       * 0.79-0.91, M = 10 1.28-1.61, M = 12 1.25-1.59, M = 16 1.27-1.57 (4096 x 4096,
+       * 14336 x 4096, 1536 x 576, 576 x 1536); from M = 32 (3 rounds): 4096 x 4096 M = 32
+       * 7.68 -> 5.37 ms, M = 64 14.0 -> 8.1, M = 256 54.8 -> 36.6; 1536 x 576 M = 32 0.460
+       * -> 0.333, M = 256 2.69 -> 1.45. */
       plan.method = FP8_MM_FMA_TILE;
       plan.m_padded = round_up(p->m, 16);
       plan.tile_m = plan.m_padded; /* as the tile kernel's */

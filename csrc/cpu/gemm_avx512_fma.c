@@ -1,4 +1,4 @@
-/* scaled_mm with float32 FMAs on AVX-512: the avx512_fma variant's kernel for M > 4
+/* scaled_mm with float32 FMAs on AVX-512: the avx512_fma variant's kernel for M >= 10
  * (FP8_MM_FMA_TILE). The variant runs on CPUs with AVX512-BF16 whose vdpbf16ps is slow
  * next to their float32 FMAs: the Intel Xeons, when AMX is not usable (a VM that hides
  * it). On an Emerald Rapids (2 vCPUs, KVM, AMX hidden) one core sustained 1.45
@@ -105,12 +105,18 @@ FMA_TARGET ALWAYS_INLINE void prefetch_ahead(const fp8_scaled_mm_params* p, int6
   for (int64_t kk = 0; kk < FMA_PANEL_K && ahead_k0 + kk < p->k; kk += 64) _mm_prefetch((const char*)(row + kk), _MM_HINT_T1);
 }
 
-/* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block) -> panel[c][0, k_block) float32
- * (rows past cols zero; codes past K zero). Folded block scales (p->fold_b): the panel is
- * one block of 128 k and its rows lie in one block of 128 weight rows. */
+/* Weight rows [n0, n0 + cols) at K [k0, k0 + k_block) -> panel[c * FMA_PANEL_K + k] float32,
+ * k < k_block (rows past cols zero; codes past K zero). The rows lie FMA_PANEL_K apart
+ * whatever k_block is, so that the register tiles address the rows they broadcast from as
+ * one pointer plus constant offsets: with the stride a variable, the 1-vector tile (16
+ * rows) kept 7 of its 16 row pointers on the stack and reloaded them every k. FP8Linear,
+ * 2 threads, Intel Xeon without AMX, M = 12 and 16 on that tile, 7 alternated rounds:
+ * 1.22-1.35x faster on 4096 x 4096, 14336 x 4096, 1536 x 576 and 576 x 1536 (the same
+ * bits; M = 32-256 0.97-1.07x, noise). Folded block scales (p->fold_b): the panel is one
+ * block of 128 k and its rows lie in one block of 128 weight rows. */
 FMA_TARGET static void widen_panel(const fp8_scaled_mm_params* p, const widen_tables_t* t, int64_t n0, int64_t cols,
                                    int64_t n_end, int64_t k0, int64_t k_block, int64_t k_padded, float* panel) {
-  for (int64_t c = cols; c < FMA_PANEL_COLS; ++c) memset(panel + c * k_block, 0, sizeof(float) * (size_t)k_block);
+  for (int64_t c = cols; c < FMA_PANEL_COLS; ++c) memset(panel + c * FMA_PANEL_K, 0, sizeof(float) * (size_t)k_block);
   const widen_tables_t tables =
       p->fold_b ? shifted_tables(t, p->b_format, p->fold_b[(n0 / FP8_SCALE_BLOCK) * p->fold_k_blocks + k0 / FP8_SCALE_BLOCK])
                 : *t;
@@ -119,7 +125,7 @@ FMA_TARGET static void widen_panel(const fp8_scaled_mm_params* p, const widen_ta
   for (int64_t c = 0; c < cols; ++c) {
     prefetch_ahead(p, n0, n_end, k0, k_padded, c);
     const uint8_t* row = (const uint8_t*)p->b + (n0 + c) * p->b_col_stride + k0;
-    float* dest = panel + c * k_block;
+    float* dest = panel + c * FMA_PANEL_K;
     int64_t kk = 0;
     for (; kk < whole; kk += 64) {
       __m512i out0, out1;
@@ -136,11 +142,11 @@ FMA_TARGET static void widen_panel(const fp8_scaled_mm_params* p, const widen_ta
 
 /* ---- register tiles ------------------------------------------------------------ */
 
-/* VECTORS x 16 activation rows by COLS weight rows over `ks` k. Sums: sums[j * sums_stride
+/* VECTORS x 16 activation rows by COLS weight rows (panel rows FMA_PANEL_K apart) over `ks` k. Sums: sums[j * sums_stride
  * + v * 16 + lane]. K-blocked calls (BLOCKED): the ks k are one block of 128 (kb), summed
  * from zero and added into the sums times scale_a (scale_rows[v]) * scale_b. */
 FMA_TARGET ALWAYS_INLINE void fma_block(const float* activations, int64_t group_stride, const float* panel,
-                                        int64_t panel_stride, int64_t ks, float* sums, int64_t sums_stride, int first,
+                                        int64_t ks, float* sums, int64_t sums_stride, int first,
                                         const fp8_scaled_mm_params* p, const __m512* scale_rows, int64_t n_first,
                                         int64_t kb, const int VECTORS, const int COLS, const int BLOCKED) {
   __m512 acc[FMA_VECTORS][16];
@@ -151,7 +157,7 @@ FMA_TARGET ALWAYS_INLINE void fma_block(const float* activations, int64_t group_
     __m512 a[FMA_VECTORS];
     for (int v = 0; v < VECTORS; ++v) a[v] = _mm512_load_ps(activations + v * group_stride + k * TILE_LANES);
     for (int j = 0; j < COLS; ++j) {
-      const __m512 b = _mm512_set1_ps(panel[j * panel_stride + k]);
+      const __m512 b = _mm512_set1_ps(panel[j * FMA_PANEL_K + k]);
       for (int v = 0; v < VECTORS; ++v) acc[v][j] = _mm512_fmadd_ps(a[v], b, acc[v][j]);
     }
   }
@@ -174,21 +180,20 @@ FMA_TARGET ALWAYS_INLINE void fma_block(const float* activations, int64_t group_
 
 /* 16 weight rows against VECTORS groups of 16 rows: 16 columns at once for 1 vector, 2 x 8
  * for 2 or 3, 6 + 6 + 4 for 4 (at most 24 accumulators). */
-FMA_TARGET ALWAYS_INLINE void fma_columns16(const float* a, int64_t group_stride, const float* b, int64_t panel_stride,
-                                            int64_t ks, float* sums, int64_t rows, int first,
-                                            const fp8_scaled_mm_params* p, const __m512* scales, int64_t n_first,
+FMA_TARGET ALWAYS_INLINE void fma_columns16(const float* a, int64_t group_stride, const float* b, int64_t ks,
+                                            float* sums, int64_t rows, int first, const fp8_scaled_mm_params* p, const __m512* scales, int64_t n_first,
                                             int64_t kb, const int VECTORS, const int BLOCKED) {
   if (VECTORS == 1) {
-    fma_block(a, group_stride, b, panel_stride, ks, sums, rows, first, p, scales, n_first, kb, 1, 16, BLOCKED);
+    fma_block(a, group_stride, b, ks, sums, rows, first, p, scales, n_first, kb, 1, 16, BLOCKED);
   } else if (VECTORS == 4) {
-    fma_block(a, group_stride, b, panel_stride, ks, sums, rows, first, p, scales, n_first, kb, 4, 6, BLOCKED);
-    fma_block(a, group_stride, b + 6 * panel_stride, panel_stride, ks, sums + 6 * rows, rows, first, p, scales,
+    fma_block(a, group_stride, b, ks, sums, rows, first, p, scales, n_first, kb, 4, 6, BLOCKED);
+    fma_block(a, group_stride, b + 6 * FMA_PANEL_K, ks, sums + 6 * rows, rows, first, p, scales,
               n_first + 6, kb, 4, 6, BLOCKED);
-    fma_block(a, group_stride, b + 12 * panel_stride, panel_stride, ks, sums + 12 * rows, rows, first, p, scales,
+    fma_block(a, group_stride, b + 12 * FMA_PANEL_K, ks, sums + 12 * rows, rows, first, p, scales,
               n_first + 12, kb, 4, 4, BLOCKED);
   } else {
-    fma_block(a, group_stride, b, panel_stride, ks, sums, rows, first, p, scales, n_first, kb, VECTORS, 8, BLOCKED);
-    fma_block(a, group_stride, b + 8 * panel_stride, panel_stride, ks, sums + 8 * rows, rows, first, p, scales,
+    fma_block(a, group_stride, b, ks, sums, rows, first, p, scales, n_first, kb, VECTORS, 8, BLOCKED);
+    fma_block(a, group_stride, b + 8 * FMA_PANEL_K, ks, sums + 8 * rows, rows, first, p, scales,
               n_first + 8, kb, VECTORS, 8, BLOCKED);
   }
 }
@@ -201,8 +206,8 @@ FMA_TARGET ALWAYS_INLINE void fma_columns16(const float* a, int64_t group_stride
       const float* a, int64_t group_stride, const float* panel, int64_t k_block, int64_t cols, float* sums,        \
       int64_t rows, int first, const fp8_scaled_mm_params* p, const __m512* scales, int64_t n0, int64_t kb) {     \
     for (int64_t c0 = 0; c0 < cols; c0 += 16)                                                                      \
-      fma_columns16(a, group_stride, panel + c0 * k_block, k_block, k_block, sums + c0 * rows, rows, first, p,    \
-                    scales, n0 + c0, kb, VECTORS, BLOCKED);                                                        \
+      fma_columns16(a, group_stride, panel + c0 * FMA_PANEL_K, k_block, sums + c0 * rows, rows, first, p, scales, \
+                    n0 + c0, kb, VECTORS, BLOCKED);                                                                \
   }
 FMA_PANEL_TILES(1, 0)
 FMA_PANEL_TILES(2, 0)
