@@ -52,8 +52,9 @@ typedef struct {
   int scale_a_blocked, scale_b_blocked;
   int64_t scale_a_row_stride;
   int64_t scale_b_k_stride, scale_b_n_stride;
-  /* Block scales folded into the operands (fp8_cpu_scaled_mm_fold: the CPU AMX kernels
-   * and the AVX512-BF16 eight-row, skinny and tile kernels only; NULL everywhere else): the widened bf16 values of a's row m in block
+  /* Block scales folded into the operands (fp8_cpu_scaled_mm_fold: the CPU AMX kernels,
+   * the AVX512-BF16 eight-row, skinny and tile kernels and the avx512_fma FMA tiles only;
+   * NULL everywhere else): the widened bf16 values of a's row m in block
    * kb of 128 k are multiplied by 2^fold_a[m * fold_k_blocks + kb], b's weight row n by
    * 2^fold_b[(n / 128) * fold_k_blocks + kb] (exponent offsets in [-FP8_FOLD_MAX_SHIFT, 0],
    * exact in bf16), and the call is no longer K-blocked: the per-row / per-column scales

@@ -106,8 +106,9 @@ static cpu_features detect(void) {
   features.amx_usable = features.amx_status[0] == '\0';
   /* vdpbf16ps (zmm) per ns on one core against vfmadd231ps: Intel Xeon Emerald Rapids
    * 1.45 vs 6.0 (90 vs 193 GFLOP/s); AMD Zen 5 7.3 vdpbf16ps, twice its FMAs' flops, and
-   * Zen 4 the same ratio (docs/performance-notes.md). Sapphire and Granite Rapids share
-   * Emerald Rapids' core design; with AMX usable the AMX kernels run instead. */
+   * Zen 4 the same ratio (docs/performance-notes.md). Taken for every Intel CPU with
+   * AVX512-BF16 and VBMI (Sapphire Rapids has Emerald Rapids' cores; Granite Rapids not
+   * measured); with AMX usable the AMX kernels run instead. */
   features.fma_over_bf16 = intel && best == FP8_CPU_AVX512_BF16;
   return features;
 }
